@@ -1,0 +1,119 @@
+"""In-process speculative generation: the step loop (draft tree -> target verify -> commit) and its stop rules.
+
+`SpeculativeDecoder` owns one target and optionally one draft model and serves every method through the same loop:
+`ar` drafts nothing (empty trees), `sd`/`frspec`/`evospec` differ only in the draft's vocabulary policy.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from evospec.config import SamplingParams, SpecParams
+from evospec.engine.draft import DraftEngine, DraftSession
+from evospec.engine.stats import SpecStats
+from evospec.engine.target import TargetEngine, TargetSession
+from evospec.errors import InvalidRequestError
+from evospec.model import Qwen3
+from evospec.tree import DraftTree
+from evospec.vocab.policy import VocabPolicy
+from evospec.vocab.registry import VocabPolicies
+
+
+@dataclass
+class Chunk:
+    """Tokens committed by one step (after stop-rule truncation)."""
+    token_ids: list[int]
+
+
+@dataclass
+class Generation:
+    """Iterate to run the steps; `finish_reason` ('stop' | 'length') and `stats` are final once exhausted."""
+    steps: Iterator[Chunk]
+    stats: SpecStats
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def __iter__(self) -> Iterator[Chunk]:
+        return self.steps
+
+
+def apply_stop_rules(new_tokens: list[int], generated: int, sampling: SamplingParams,
+                     eos_ids: frozenset[int]) -> tuple[list[int], str | None]:
+    """Truncate one step's tokens at the first EOS (dropped, finish 'stop') or at max_tokens (finish 'length')."""
+    if not sampling.ignore_eos:
+        for i, tok in enumerate(new_tokens):
+            if tok in eos_ids and generated + i < sampling.max_tokens:
+                return new_tokens[:i], "stop"
+    room = sampling.max_tokens - generated
+    if len(new_tokens) >= room:
+        return new_tokens[:room], "length"
+    return new_tokens, None
+
+
+class SpeculativeDecoder:
+    def __init__(self, target: Qwen3, draft: Qwen3 | None = None, static_ids: torch.Tensor | None = None,
+                 max_model_len: int | None = None, eos_ids: tuple[int, ...] | None = None):
+        self.target = TargetEngine(target)
+        self.draft = DraftEngine(draft) if draft is not None else None
+        self.policies = VocabPolicies(draft.head_weight if draft is not None else None, static_ids)
+        self.max_model_len = max_model_len or target.cfg.max_position_embeddings
+        self.eos_ids = frozenset(eos_ids if eos_ids is not None else (target.cfg.eos_token_id,))
+
+    def validate(self, prompt_ids: list[int], sampling: SamplingParams, spec: SpecParams) -> None:
+        if not prompt_ids:
+            raise InvalidRequestError("prompt", "is empty; send at least one token")
+        vocab = self.target.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError("prompt_token_ids", f"ids must be in [0, {vocab}); got {bad[:3]}")
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError("prompt", f"has {len(prompt_ids)} tokens; the context holds {self.max_model_len}"
+                                                f" including at least one generated token")
+        if len(prompt_ids) + sampling.max_tokens > self.max_model_len:
+            raise InvalidRequestError("max_tokens", f"prompt ({len(prompt_ids)}) + max_tokens ({sampling.max_tokens}) "
+                                                    f"exceeds the context length {self.max_model_len}")
+        if spec.method != "ar" and self.draft is None:
+            raise InvalidRequestError("spec.method", f"'{spec.method}' needs a draft model; this server has none")
+
+    def generate(self, prompt_ids: list[int], sampling: SamplingParams, spec: SpecParams) -> Generation:
+        """Validates eagerly (raises InvalidRequestError), then returns a lazy Generation."""
+        self.validate(prompt_ids, sampling, spec)
+        policy = self.policies.get(spec) if spec.method != "ar" else None
+        seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
+        stats = SpecStats(prompt_tokens=len(prompt_ids))
+        gen = Generation(iter(()), stats)
+        gen.steps = self._run(gen, list(prompt_ids), sampling, spec, policy, seed)
+        return gen
+
+    def _run(self, gen: Generation, prompt_ids, sampling, spec, policy: VocabPolicy | None, seed) -> Iterator[Chunk]:
+        max_len = len(prompt_ids) + sampling.max_tokens + spec.tree.max_nodes + 2
+        target_session = self.target.start(prompt_ids, sampling, max_len, seed)
+        draft_session = None
+        if policy is not None:
+            draft_session = self.draft.start(prompt_ids, sampling, spec.tree, policy, max_len, seed + 1)
+        while gen.finish_reason is None:
+            committed = self.step(target_session, draft_session, gen.stats)
+            tokens, gen.finish_reason = apply_stop_rules(committed, len(gen.output_ids), sampling, self.eos_ids)
+            gen.output_ids.extend(tokens)
+            gen.stats.generated_tokens = len(gen.output_ids)
+            if tokens:
+                yield Chunk(tokens)
+
+    def step(self, target_session: TargetSession, draft_session: DraftSession | None, stats: SpecStats) -> list[int]:
+        """One round: draft a tree (if any), verify it, commit on both sides. Returns the committed tokens."""
+        t0 = time.perf_counter()
+        tree = self.draft.propose(draft_session) if draft_session is not None else DraftTree.empty()
+        t1 = time.perf_counter()
+        verified = self.target.verify(target_session, tree)
+        t2 = time.perf_counter()
+        if draft_session is not None:
+            self.draft.commit(draft_session, verified.result)
+            draft_session.vocab.observe(verified.result)
+        stats.draft_seconds += t1 - t0
+        stats.verify_seconds += t2 - t1
+        stats.record_step(tree.size, len(verified.result.accepted_nodes))
+        return verified.result.committed_tokens

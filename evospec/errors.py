@@ -1,0 +1,23 @@
+"""Typed errors. The gRPC layer maps each to one status code (see services/common/errors.py)."""
+from __future__ import annotations
+
+
+class EvoSpecError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class InvalidRequestError(EvoSpecError, ValueError):
+    """The request cannot be served as given; `field` names what to fix (-> INVALID_ARGUMENT)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class OverloadedError(EvoSpecError):
+    """Too many concurrent generations (-> RESOURCE_EXHAUSTED)."""
+
+
+class SessionNotFoundError(EvoSpecError, KeyError):
+    """A draft/target session id that is unknown or already freed (-> NOT_FOUND)."""

@@ -1,0 +1,234 @@
+"""A compact Qwen3 (RMSNorm, RoPE, GQA attention with q/k norm, SwiGLU, tied embeddings) for speculative decoding.
+
+Unlike `transformers.Qwen3ForCausalLM`, `forward` takes explicit slots, positions and a boolean attention mask, so one
+call can decode a token tree, and returns hidden states so the caller chooses the LM head (full or pruned).
+It loads standard Hugging Face Qwen3 folders (config.json + *.safetensors). No device is hard-coded.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from kernels.kv import compact_kv
+
+
+@dataclass(frozen=True)
+class Qwen3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int = 40960
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    attention_bias: bool = False
+    tie_word_embeddings: bool = True
+    eos_token_id: int = 151645
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict) -> "Qwen3Config":
+        rope = cfg.get("rope_parameters") or {}
+        eos = cfg.get("eos_token_id", 151645)
+        return cls(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+            max_position_embeddings=cfg.get("max_position_embeddings", 40960),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 1_000_000.0)),
+            attention_bias=cfg.get("attention_bias", False),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """positions: [n] -> cos, sin: [n, head_dim] (the 'rotate half' layout Qwen3 uses)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [n, head_dim/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [heads, n, head_dim]; cos/sin: [n, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class KVCache:
+    """Position-indexed cache: keys/values [layers, kv_heads, max_len, head_dim]; `length` committed slots.
+
+    Slots >= length are scratch (a tree being decoded); `commit` keeps the chosen scratch slots, compacted.
+    """
+
+    def __init__(self, cfg: Qwen3Config, max_len: int, device: torch.device, dtype: torch.dtype):
+        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self.max_len = max_len
+        self.length = 0
+
+    def commit(self, scratch_slots: list[int]) -> None:
+        """Append the given scratch slots (absolute, increasing, all >= length) to the committed prefix."""
+        if not scratch_slots:
+            return
+        src = torch.tensor(scratch_slots, dtype=torch.long, device=self.keys.device)
+        compact_kv(self.keys, src, self.length)
+        compact_kv(self.values, src, self.length)
+        self.length += len(scratch_slots)
+
+    def advance(self, n: int) -> None:
+        """Mark the n slots after the committed prefix (just written by a chain forward) as committed."""
+        self.length += n
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Qwen3Config):
+        super().__init__()
+        self.cfg = cfg
+        h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(h, nh * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, nkv * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, nkv * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(nh * hd, h, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, layer_keys, layer_values, write_start: int, mask) -> torch.Tensor:
+        """x: [n, hidden]; layer_keys/values: [kv_heads, max_len, head_dim] (written in place at write_start..+n);
+        mask: [n, write_start + n] bool."""
+        n = x.shape[0]
+        hd = self.cfg.head_dim
+        q = self.q_norm(self.q_proj(x).view(n, -1, hd)).transpose(0, 1)  # [heads, n, hd]
+        k = self.k_norm(self.k_proj(x).view(n, -1, hd)).transpose(0, 1)  # [kv_heads, n, hd]
+        v = self.v_proj(x).view(n, -1, hd).transpose(0, 1)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        end = write_start + n
+        layer_keys[:, write_start:end] = k
+        layer_values[:, write_start:end] = v
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(0), layer_keys[:, :end].unsqueeze(0), layer_values[:, :end].unsqueeze(0),
+            attn_mask=mask, enable_gqa=True)  # [1, heads, n, hd]
+        return self.o_proj(out[0].transpose(0, 1).reshape(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Qwen3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen3Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, layer_keys, layer_values, write_start, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_keys, layer_values, write_start, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3(nn.Module):
+    def __init__(self, cfg: Qwen3Config):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """[vocab, hidden]: the embedding matrix when tied (Qwen3 small models), else the LM head."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def new_cache(self, max_len: int) -> KVCache:
+        p = self.embed_tokens.weight
+        return KVCache(self.cfg, max_len, p.device, p.dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor,
+                write_start: int | None = None) -> torch.Tensor:
+        """input_ids, positions: [n]; writes K/V at slots write_start..+n (default: right after the committed
+        prefix); mask: [n, write_start + n] bool over cache slots.
+
+        Returns final-norm hidden states [n, hidden]. The caller applies a head (full or pruned) and commits slots.
+        """
+        write_start = cache.length if write_start is None else write_start
+        if write_start + input_ids.shape[0] > cache.max_len:
+            raise ValueError(f"KV cache overflow: {write_start + input_ids.shape[0]} > {cache.max_len} slots")
+        device = self.embed_tokens.weight.device
+        input_ids, positions, mask = input_ids.to(device), positions.to(device), mask.to(device)
+        x = self.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache.keys[i], cache.values[i], write_start, mask)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [n, hidden] -> logits [n, vocab] float32."""
+        return (hidden @ self.head_weight.T).float()
+
+
+def load_qwen3(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Qwen3:
+    """Load a Hugging Face Qwen3 folder (config.json + one or more *.safetensors)."""
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{folder} is not a Hugging Face model folder: config.json missing")
+    hf_cfg = json.loads(config_path.read_text())
+    cfg = Qwen3Config.from_hf_dict(hf_cfg)
+    if dtype is None:
+        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    with torch.device("meta"):
+        model = Qwen3(cfg)
+    state: dict[str, torch.Tensor] = {}
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    for shard in shards:
+        for name, tensor in load_file(str(shard), device=str(device)).items():
+            key = name.removeprefix("model.")
+            if key == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            state[key] = tensor.to(dtype)
+    missing = set(model.state_dict()) - set(state)
+    if missing:
+        raise ValueError(f"{folder}: weights missing for {sorted(missing)[:5]}...")
+    model.load_state_dict(state, assign=True, strict=True)
+    return model.eval().requires_grad_(False)

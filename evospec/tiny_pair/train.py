@@ -1,0 +1,184 @@
+"""Train the embedded tiny Qwen3 pair (target ~4 layers/hidden 256, draft 1 layer/hidden 128) on CPU.
+
+    python -m evospec.tiny_pair.train            # ~10-15 CPU-minutes on 2 cores; writes evospec/tiny_pair/weights/
+
+Choices (why):
+- Real Qwen3 tokenizer, so token statistics (FR-Spec frequencies, long-tail medical tokens) are the real ones.
+- Training runs over the token ids that occur in the corpus only ("seen" rows); the other rows of the 151,936-row
+  tied embedding stay exactly zero. A zero row still gets logit 0 at inference, so the loss adds those rows as one
+  pseudo-class of multiplicity N_unseen (logit log N_unseen): the trained objective *is* the full-vocabulary
+  cross-entropy, and the model learns to push the mass of never-seen rows down. The script reports that mass.
+- The draft is trained with cross-entropy plus distillation from the target (KL over seen rows), which raises
+  draft/target agreement, the quantity speculative decoding lives on.
+- Weights are stored compactly (fp16, seen rows only + their ids); `evospec.tiny_pair.ensure_hf_folders` expands them
+  into standard Hugging Face folders (config.json + model.safetensors with all 151,936 rows).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from evospec.tokenizer import QWEN3_VOCAB_ROWS, chat_special_token_ids, load_tokenizer
+from evospec.tiny_pair import WEIGHTS_DIR, TARGET_SHAPE, DRAFT_SHAPE, hf_config
+from evospec.tiny_pair.corpus import icd10_descriptions, kjv_verses, medical_chat, spec_bench_prompts, split_pubmedqa
+
+
+def build_documents(tokenizer) -> tuple[list[str], list[str]]:
+    """Training and held-out documents as text (chat-formatted where there is a question and an answer)."""
+    train_items, held_items = split_pubmedqa()
+
+    def chat(item):
+        return tokenizer.apply_chat_template(medical_chat(item), tokenize=False, enable_thinking=False)
+
+    eos = tokenizer.eos_token
+    train = [chat(it) for it in train_items]
+    train += [" ".join(it["contexts"]) + "<|endoftext|>" for it in train_items]
+    icd = icd10_descriptions(limit=12000)
+    train += ["\n".join(icd[i:i + 30]) + "<|endoftext|>" for i in range(0, len(icd), 30)]
+    for row in spec_bench_prompts():
+        train += [t + "<|endoftext|>" for t in row["turns"]]
+    kjv = kjv_verses(limit=9000)
+    train += [" ".join(kjv[i:i + 25]) + "<|endoftext|>" for i in range(0, len(kjv), 25)]
+    held = [chat(it) for it in held_items]
+    del eos
+    return train, held
+
+
+def pack(docs: list[list[int]], seq_len: int, seed: int) -> torch.Tensor:
+    """Shuffle documents, concatenate, cut into [num_windows, seq_len + 1] windows."""
+    order = list(range(len(docs)))
+    random.Random(seed).shuffle(order)
+    stream = [t for i in order for t in docs[i]]
+    n = (len(stream) - 1) // seq_len
+    return torch.tensor(stream[: n * seq_len + 1]).unfold(0, seq_len + 1, seq_len)
+
+
+def full_vocab_logsumexp(logits_seen: torch.Tensor, num_unseen: int) -> torch.Tensor:
+    """logsumexp over seen logits plus `num_unseen` zero-logit rows. logits_seen: [..., n_seen] -> [...]."""
+    pseudo = torch.full_like(logits_seen[..., :1], math.log(num_unseen))
+    return torch.logsumexp(torch.cat([logits_seen, pseudo], dim=-1), dim=-1)
+
+
+def seen_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """input_ids: [B, T] compact ids -> logits over seen rows [B, T, n_seen] (tied head)."""
+    hidden = model.model(input_ids=input_ids).last_hidden_state
+    return hidden @ model.model.embed_tokens.weight.T
+
+
+def make_model(shape: dict, n_seen: int, seed: int):
+    from transformers import Qwen3Config as HFQwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(seed)
+    cfg = HFQwen3Config(**{**hf_config(shape), "vocab_size": n_seen})
+    model = Qwen3ForCausalLM(cfg)
+    torch.nn.init.normal_(model.model.embed_tokens.weight, std=0.02)
+    return model
+
+
+def train_model(model, windows: torch.Tensor, steps: int, batch: int, lr: float, num_unseen: int, seed: int,
+                teacher=None, desc: str = "train") -> None:
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(seed)
+    model.train()
+    bar = tqdm(range(steps), desc=desc)
+    for step in bar:
+        for group in opt.param_groups:  # linear warm-up, cosine decay
+            group["lr"] = lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / steps))
+        idx = torch.randint(0, windows.shape[0], (batch,), generator=gen)
+        x, y = windows[idx, :-1], windows[idx, 1:]
+        logits = seen_logits(model, x)  # [B, T, n_seen]
+        lse = full_vocab_logsumexp(logits, num_unseen)
+        ce = (lse - logits.gather(-1, y[..., None])[..., 0]).mean()
+        loss = ce
+        if teacher is not None:
+            with torch.no_grad():
+                t_logits = seen_logits(teacher, x)
+                t_logprobs = t_logits - full_vocab_logsumexp(t_logits, num_unseen)[..., None]
+            s_logprobs = logits - lse[..., None]
+            kd = (t_logprobs.exp() * (t_logprobs - s_logprobs)).sum(-1).mean()
+            loss = 0.5 * ce + 0.5 * kd
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        bar.set_postfix(ce=f"{ce.item():.3f}")
+    model.eval()
+
+
+@torch.no_grad()
+def evaluate(target, draft, windows: torch.Tensor, num_unseen: int) -> dict:
+    """Held-out full-vocabulary loss of each model, mass on never-seen rows, draft/target top-1 agreement."""
+    out = {}
+    t_logits = seen_logits(target, windows[:, :-1])
+    d_logits = seen_logits(draft, windows[:, :-1])
+    y = windows[:, 1:]
+    for name, logits in (("target", t_logits), ("draft", d_logits)):
+        lse = full_vocab_logsumexp(logits, num_unseen)
+        out[f"{name}_heldout_loss"] = round((lse - logits.gather(-1, y[..., None])[..., 0]).mean().item(), 4)
+        out[f"{name}_unseen_mass_mean"] = float(f"{(math.log(num_unseen) - lse).exp().mean().item():.3g}")
+        out[f"{name}_unseen_mass_max"] = float(f"{(math.log(num_unseen) - lse).exp().max().item():.3g}")
+    out["draft_target_top1_agreement"] = round((t_logits.argmax(-1) == d_logits.argmax(-1)).float().mean().item(), 4)
+    return out
+
+
+def compact_state(model, seen_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """fp16 state dict over seen rows (HF names), plus `seen_token_ids`: compact row i is token seen_ids[i]."""
+    state = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()
+             if k != "lm_head.weight"}
+    state["seen_token_ids"] = seen_ids.to(torch.int32)
+    return state
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=WEIGHTS_DIR)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--target-steps", type=int, default=300)
+    ap.add_argument("--draft-steps", type=int, default=200)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    torch.manual_seed(args.seed)
+    started = time.time()
+
+    tokenizer = load_tokenizer()
+    train_docs, held_docs = build_documents(tokenizer)
+    encode = lambda docs: [tokenizer(d, add_special_tokens=False)["input_ids"] for d in tqdm(docs, desc="tokenize")]
+    train_ids, held_ids = encode(train_docs), encode(held_docs)
+    seen = sorted({t for d in train_ids + held_ids for t in d} | set(chat_special_token_ids(tokenizer)))
+    seen_ids = torch.tensor(seen)
+    to_compact = {t: i for i, t in enumerate(seen)}
+    num_unseen = QWEN3_VOCAB_ROWS - len(seen)
+    train_windows = pack([[to_compact[t] for t in d] for d in train_ids], args.seq_len, args.seed)
+    held_windows = pack([[to_compact[t] for t in d] for d in held_ids], args.seq_len, args.seed)
+    print(f"corpus: {sum(map(len, train_ids)):,} train tokens, {sum(map(len, held_ids)):,} held-out tokens, "
+          f"{len(seen):,} distinct ids ({num_unseen:,} rows never seen)")
+
+    target = make_model(TARGET_SHAPE, len(seen), args.seed)
+    train_model(target, train_windows, args.target_steps, args.batch, args.lr, num_unseen, args.seed, desc="target")
+    draft = make_model(DRAFT_SHAPE, len(seen), args.seed + 1)
+    train_model(draft, train_windows, args.draft_steps, args.batch, args.lr, num_unseen, args.seed + 1,
+                teacher=target, desc="draft")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    save_file(compact_state(target, seen_ids), str(args.out / "target.safetensors"))
+    save_file(compact_state(draft, seen_ids), str(args.out / "draft.safetensors"))
+    report = {"train_tokens": sum(map(len, train_ids)), "heldout_tokens": sum(map(len, held_ids)),
+              "distinct_ids": len(seen), "args": {k: str(v) for k, v in vars(args).items()},
+              **evaluate(target, draft, held_windows, num_unseen),
+              "train_minutes": round((time.time() - started) / 60, 1)}
+    (args.out / "report.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""LM head restricted to a subset of the vocabulary (FR-Spec / EvoSpec draft head).
+
+The rows of the (tied) embedding matrix are gathered once into a contiguous [k, hidden] matrix, so each draft step
+costs k * hidden instead of vocab * hidden multiply-adds. Logits come back over the subset; `row_ids` maps a
+subset index to its full-vocabulary token id.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def gather_head_rows(head_weight: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
+    """head_weight: [vocab, hidden], row_ids: [k] -> [k, hidden] contiguous copy (done once, not per step)."""
+    return head_weight.index_select(0, row_ids).contiguous()
+
+
+def pruned_logits(hidden: torch.Tensor, head_rows: torch.Tensor, slot_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """hidden: [n, hidden], head_rows: [k, hidden] -> logits [n, k] (float32).
+
+    slot_valid: optional [k] bool; invalid slots (unused dynamic-buffer rows) get -inf so the shape stays static.
+    """
+    logits = (hidden @ head_rows.T).float()
+    if slot_valid is not None:
+        logits = logits.masked_fill(~slot_valid, float("-inf"))
+    return logits
+
+
+def scatter_to_full_vocab(subset_values: torch.Tensor, row_ids: torch.Tensor, vocab_size: int,
+                          fill: float = 0.0) -> torch.Tensor:
+    """subset_values: [..., k] over row_ids [k] -> [..., vocab_size], `fill` elsewhere.
+
+    Rows with id < 0 (unused slots) are dropped.
+    """
+    keep = row_ids >= 0
+    out = subset_values.new_full((*subset_values.shape[:-1], vocab_size), fill)
+    out[..., row_ids[keep]] = subset_values[..., keep]
+    return out

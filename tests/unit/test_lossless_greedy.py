@@ -1,0 +1,88 @@
+"""Greedy speculative output == target-only greedy output, token for token (chain and tree, many prompts)."""
+import pytest
+import torch
+
+from evospec.config import SamplingParams, SpecParams, TreeParams
+from evospec.engine.generate import SpeculativeDecoder
+from helpers import random_pair
+
+TREES = [TreeParams(shape="chain", num_draft_tokens=1), TreeParams(shape="chain", num_draft_tokens=5),
+         TreeParams(shape="tree", depth=4, branching=3, budget=10), TreeParams(shape="tree", depth=6, branching=2, budget=40)]
+
+
+def run(decoder, prompt, sampling, spec):
+    gen = decoder.generate(prompt, sampling, spec)
+    chunks = [c.token_ids for c in gen]
+    assert sum(chunks, []) == gen.output_ids
+    return gen
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    target, draft = random_pair(vocab=96, seed=3, eos=1)
+    static = torch.arange(96).flip(0)  # a full-size "static" ranking, so frspec here equals sd in reach
+    return SpeculativeDecoder(target, draft, static_ids=static)
+
+
+@pytest.mark.parametrize("tree", TREES, ids=lambda t: f"{t.shape}-{t.max_nodes}")
+@pytest.mark.parametrize("prompt_len", [1, 2, 7, 30])
+def test_greedy_identical(decoder, tree, prompt_len):
+    prompt = [(7 * i + 3) % 95 + 1 for i in range(prompt_len)]
+    sampling = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ref = run(decoder, prompt, sampling, SpecParams(method="ar"))
+    spec = run(decoder, prompt, sampling, SpecParams(method="sd", tree=tree))
+    assert spec.output_ids == ref.output_ids
+    assert len(ref.output_ids) == 40 and spec.finish_reason == "length"
+    assert spec.stats.steps < ref.stats.steps  # the draft helped at least once
+    assert ref.stats.steps == 40 and ref.stats.tau == 1.0
+
+
+def test_frspec_restricted_vocab_still_identical(decoder):
+    target, draft = random_pair(vocab=96, seed=3, eos=1)
+    static = torch.arange(0, 96, 2)  # half the vocabulary: many target tokens are misses
+    dec = SpeculativeDecoder(target, draft, static_ids=static)
+    sampling = SamplingParams(max_tokens=50, ignore_eos=True)
+    ref = run(dec, [5, 9, 13], sampling, SpecParams(method="ar"))
+    for tree in TREES:
+        out = run(dec, [5, 9, 13], sampling, SpecParams(method="frspec", tree=tree, vocab={"static_size": 48}))
+        assert out.output_ids == ref.output_ids
+        assert all(t % 2 == 0 for t in _accepted_tokens(dec, [5, 9, 13], sampling, tree))
+
+
+def _accepted_tokens(dec, prompt, sampling, tree):
+    """Every token the frspec draft proposed lies in S (even ids)."""
+    gen = dec.generate(prompt, sampling, SpecParams(method="frspec", tree=tree, vocab={"static_size": 48}))
+    seen = []
+    orig = dec.draft.propose
+
+    def spy(session):
+        t = orig(session)
+        seen.extend(t.token_ids.tolist())
+        return t
+    dec.draft.propose = spy
+    try:
+        list(gen)
+    finally:
+        dec.draft.propose = orig
+    return seen
+
+
+@pytest.mark.parametrize("tree", TREES[1:3], ids=["chain", "tree"])
+def test_eos_and_max_tokens_inside_accepted_path(tree):
+    """Pick an EOS that the target emits mid-generation; stop exactly where target-only decoding stops."""
+    target, draft = random_pair(vocab=96, seed=5, eos=1)
+    probe = SpeculativeDecoder(target, draft)
+    sampling = SamplingParams(max_tokens=30, ignore_eos=True)
+    free_run = run(probe, [4, 8], sampling, SpecParams(method="ar")).output_ids
+    eos = free_run[12]
+    first = free_run.index(eos)
+    dec = SpeculativeDecoder(target, draft, eos_ids=(eos,))
+    for max_tokens in (first, first + 1, first + 5, 3):
+        sampling = SamplingParams(max_tokens=max_tokens)
+        ref = run(dec, [4, 8], sampling, SpecParams(method="ar"))
+        out = run(dec, [4, 8], sampling, SpecParams(method="sd", tree=tree))
+        assert out.output_ids == ref.output_ids
+        assert out.finish_reason == ref.finish_reason
+        expected = "stop" if max_tokens > first else "length"
+        assert out.finish_reason == expected
+        assert len(out.output_ids) == min(first, max_tokens)
