@@ -1,41 +1,4 @@
-"""Tiny random Qwen3 models for tests (no files, no training)."""
-from __future__ import annotations
+"""Test helpers: tiny random Qwen3 models live in the package (also used by `evospec bench random`)."""
+from evospec.model.random_pair import random_pair, random_qwen3, tiny_config
 
-import copy
-
-import torch
-
-from evospec.model import Qwen3, Qwen3Config
-
-
-def tiny_config(vocab: int = 96, hidden: int = 32, layers: int = 2, eos: int = 1) -> Qwen3Config:
-    return Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
-                       max_position_embeddings=512, eos_token_id=eos)
-
-
-def random_qwen3(cfg: Qwen3Config, seed: int, scale: float = 1.0) -> Qwen3:
-    torch.manual_seed(seed)
-    model = Qwen3(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) * scale / p.shape[-1] ** 0.5)
-        model.embed_tokens.weight.mul_(3.0)  # peakier next-token distributions, like a trained model
-    return model.eval().requires_grad_(False)
-
-
-def random_pair(vocab: int = 96, seed: int = 0, eos: int = 1, noise: float = 0.3) -> tuple[Qwen3, Qwen3]:
-    """(target, draft): the draft is the target's first layer with perturbed weights, so they mostly agree."""
-    target = random_qwen3(tiny_config(vocab, layers=2, eos=eos), seed)
-    draft = Qwen3(tiny_config(vocab, layers=1, eos=eos))
-    state = {k: v for k, v in copy.deepcopy(target.state_dict()).items() if not k.startswith("layers.1.")}
-    draft.load_state_dict(state)
-    g = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            if "layers.0" in name and "norm" not in name:
-                p.add_(noise * p.std() * torch.randn(p.shape, generator=g))
-    return target, draft.eval().requires_grad_(False)
+__all__ = ["random_pair", "random_qwen3", "tiny_config"]

@@ -13,6 +13,7 @@ A chain is the same loop with branching 1.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +36,7 @@ class DraftSession:
     tree_params: TreeParams
     generator: torch.Generator
     forwarded_slot: dict[int, int] = field(default_factory=dict)  # last tree: node -> scratch cache slot
+    head_seconds: float = 0.0  # time in the (pruned) LM head: the FR-Spec/EvoSpec bottleneck
 
 
 @dataclass
@@ -75,7 +77,10 @@ class DraftEngine:
         """-> draft logits over A, [len(tokens), |A|]."""
         ids = torch.tensor(tokens, dtype=torch.long)
         hidden = self.model(ids, torch.tensor(positions), session.cache, mask, write_start=write_start)
-        return session.vocab.active.logits(hidden)
+        start = time.perf_counter()
+        logits = session.vocab.active.logits(hidden)
+        session.head_seconds += time.perf_counter() - start
+        return logits
 
     def _feed_uncached(self, session: DraftSession) -> torch.Tensor:
         """Forward committed tokens not in the cache yet; returns root logits [|A|]."""

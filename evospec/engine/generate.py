@@ -15,12 +15,13 @@ import torch
 from evospec.config import SamplingParams, SpecParams
 from evospec.engine.draft import DraftEngine, DraftSession
 from evospec.engine.stats import SpecStats
-from evospec.engine.target import TargetEngine, TargetSession
+from evospec.engine.target import TargetEngine, TargetSession, VerifiedStep
 from evospec.errors import InvalidRequestError
 from evospec.model import Qwen3
 from evospec.tree import DraftTree
 from evospec.vocab.policy import VocabPolicy
 from evospec.vocab.registry import VocabPolicies
+from evospec.vocab.retrieval import CoocIndex, target_feedback
 
 
 @dataclass
@@ -56,10 +57,11 @@ def apply_stop_rules(new_tokens: list[int], generated: int, sampling: SamplingPa
 
 class SpeculativeDecoder:
     def __init__(self, target: Qwen3, draft: Qwen3 | None = None, static_ids: torch.Tensor | None = None,
-                 max_model_len: int | None = None, eos_ids: tuple[int, ...] | None = None):
+                 max_model_len: int | None = None, eos_ids: tuple[int, ...] | None = None,
+                 cooc: CoocIndex | None = None):
         self.target = TargetEngine(target)
         self.draft = DraftEngine(draft) if draft is not None else None
-        self.policies = VocabPolicies(draft.head_weight if draft is not None else None, static_ids)
+        self.policies = VocabPolicies(draft.head_weight if draft is not None else None, static_ids, cooc)
         self.max_model_len = max_model_len or target.cfg.max_position_embeddings
         self.eos_ids = frozenset(eos_ids if eos_ids is not None else (target.cfg.eos_token_id,))
 
@@ -100,6 +102,8 @@ class SpeculativeDecoder:
             tokens, gen.finish_reason = apply_stop_rules(committed, len(gen.output_ids), sampling, self.eos_ids)
             gen.output_ids.extend(tokens)
             gen.stats.generated_tokens = len(gen.output_ids)
+            if draft_session is not None:
+                gen.stats.draft_head_seconds = draft_session.head_seconds
             if tokens:
                 yield Chunk(tokens)
 
@@ -112,8 +116,28 @@ class SpeculativeDecoder:
         t2 = time.perf_counter()
         if draft_session is not None:
             self.draft.commit(draft_session, verified.result)
-            draft_session.vocab.observe(verified.result)
+            self.observe_vocab(draft_session, verified, stats)
         stats.draft_seconds += t1 - t0
         stats.verify_seconds += t2 - t1
         stats.record_step(tree.size, len(verified.result.accepted_nodes))
         return verified.result.committed_tokens
+
+    @staticmethod
+    def observe_vocab(draft_session: DraftSession, verified: VerifiedStep, stats: SpecStats) -> None:
+        """Count misses (target token ∉ A) and let the session vocabulary update between steps."""
+        vocab = draft_session.vocab
+        if not vocab.restricted:
+            return
+        start = time.perf_counter()
+        committed = verified.result.committed_tokens
+        feedback = None
+        if vocab.wants_target_feedback:
+            feedback = target_feedback(verified.target_logits, committed, vocab.in_active())
+            stats.misses += feedback.misses
+        else:
+            in_active = vocab.in_active()
+            stats.misses += sum(1 for t in committed if not in_active[t])
+        stats.verified_positions += len(committed)
+        changes = vocab.observe(verified.result, feedback)
+        stats.buffer_updates += sum(1 for c in changes if c.token_id >= 0)
+        stats.buffer_update_seconds += time.perf_counter() - start

@@ -17,6 +17,7 @@ class SpecStats:
     prompt_tokens: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    draft_head_seconds: float = 0.0  # part of draft_seconds spent in the draft LM head
     misses: int = 0  # verified target tokens outside the draft's active vocabulary (frspec/evospec)
     verified_positions: int = 0
     buffer_updates: int = 0  # ids added to the dynamic buffer (evospec)
@@ -48,6 +49,7 @@ class SpecStats:
                 "accepted_per_pos": list(self.accepted_per_pos), "tau": round(self.tau, 4),
                 "alpha": round(self.alpha, 4), "generated_tokens": self.generated_tokens,
                 "prompt_tokens": self.prompt_tokens, "draft_seconds": round(self.draft_seconds, 6),
-                "verify_seconds": round(self.verify_seconds, 6), "misses": self.misses,
+                "verify_seconds": round(self.verify_seconds, 6),
+                "draft_head_seconds": round(self.draft_head_seconds, 6), "misses": self.misses,
                 "miss_rate": round(self.miss_rate, 4), "buffer_updates": self.buffer_updates,
                 "buffer_update_seconds": round(self.buffer_update_seconds, 6)}

@@ -1,7 +1,8 @@
-"""The active draft vocabulary A as a fixed-shape block of LM-head rows.
+"""The active draft vocabulary A = S ∪ D as fixed-shape blocks of LM-head rows.
 
-`row_ids[j]` is the full-vocabulary id scored by head row j (-1 = an unused dynamic slot, masked to -inf), so the
-draft step has static shapes whatever the buffer holds. Static rows come first, dynamic slots after them.
+Static rows (S, or every row for `sd`) are gathered once and shared read-only by all sessions; an optional dynamic
+block of `Dyna` rows is per session (EvoSpec's buffer D). `row_ids[j]` is the full-vocabulary id scored by column j
+of the logits (-1 = an unused dynamic slot, masked to -inf), so the draft step has static shapes whatever D holds.
 """
 from __future__ import annotations
 
@@ -14,18 +15,25 @@ from kernels.pruned_head import gather_head_rows, pruned_logits
 
 @dataclass
 class ActiveVocab:
-    row_ids: torch.Tensor  # [k] int64 full ids, -1 = unused slot
-    head_rows: torch.Tensor  # [k, hidden]
-    slot_valid: torch.Tensor | None  # [k] bool, None = every slot valid (no masking cost)
-    num_static: int
+    row_ids: torch.Tensor  # [K + Dyna] int64 full ids, -1 = unused slot
+    static_rows: torch.Tensor  # [K, hidden] shared
+    dynamic_rows: torch.Tensor | None = None  # [Dyna, hidden] per session
+    dynamic_valid: torch.Tensor | None = None  # [Dyna] bool
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [n, hidden] -> [n, k] float32 logits over the active rows."""
-        return pruned_logits(hidden, self.head_rows, self.slot_valid)
+    @property
+    def num_static(self) -> int:
+        return int(self.static_rows.shape[0])
 
     @property
     def size(self) -> int:
         return int(self.row_ids.shape[0])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [n, hidden] -> [n, K + Dyna] float32 logits over the active rows."""
+        static = pruned_logits(hidden, self.static_rows)
+        if self.dynamic_rows is None:
+            return static
+        return torch.cat([static, pruned_logits(hidden, self.dynamic_rows, self.dynamic_valid)], dim=-1)
 
     def contains_mask(self, vocab_size: int) -> torch.Tensor:
         """[vocab_size] bool: which full ids are in A."""
@@ -33,21 +41,27 @@ class ActiveVocab:
         mask[self.row_ids[self.row_ids >= 0]] = True
         return mask
 
+    def with_dynamic_slots(self, head_weight: torch.Tensor, slots: int) -> "ActiveVocab":
+        """A per-session copy with `slots` empty dynamic rows (static rows still shared)."""
+        empty_ids = torch.full((slots,), -1, dtype=torch.long, device=self.row_ids.device)
+        return ActiveVocab(torch.cat([self.row_ids[: self.num_static], empty_ids]), self.static_rows,
+                           head_weight.new_zeros(slots, head_weight.shape[1]),
+                           torch.zeros(slots, dtype=torch.bool, device=head_weight.device))
+
+    def set_dynamic(self, head_weight: torch.Tensor, slot: int, token_id: int) -> None:
+        """Put token_id in dynamic slot `slot` (-1 empties it)."""
+        self.row_ids[self.num_static + slot] = token_id
+        if token_id >= 0:
+            self.dynamic_rows[slot] = head_weight[token_id]
+        self.dynamic_valid[slot] = token_id >= 0
+
 
 def full_vocab(head_weight: torch.Tensor) -> ActiveVocab:
     """A = every row (method `sd`): no copy, the model's own head matrix."""
-    ids = torch.arange(head_weight.shape[0], device=head_weight.device)
-    return ActiveVocab(ids, head_weight, None, head_weight.shape[0])
+    return ActiveVocab(torch.arange(head_weight.shape[0], device=head_weight.device), head_weight)
 
 
-def static_vocab(head_weight: torch.Tensor, static_ids: torch.Tensor, dynamic_slots: int = 0) -> ActiveVocab:
-    """A = S (method `frspec`), plus `dynamic_slots` empty, masked rows for a dynamic buffer (method `evospec`)."""
+def static_vocab(head_weight: torch.Tensor, static_ids: torch.Tensor) -> ActiveVocab:
+    """A = S (method `frspec`; EvoSpec adds dynamic slots per session with `with_dynamic_slots`)."""
     static_ids = static_ids.to(head_weight.device)
-    rows = gather_head_rows(head_weight, static_ids)  # [K, hidden], gathered once
-    if dynamic_slots == 0:
-        return ActiveVocab(static_ids, rows, None, static_ids.shape[0])
-    pad_rows = rows.new_zeros(dynamic_slots, rows.shape[1])
-    pad_ids = torch.full((dynamic_slots,), -1, dtype=torch.long, device=static_ids.device)
-    valid = torch.cat([torch.ones(static_ids.shape[0], dtype=torch.bool), torch.zeros(dynamic_slots, dtype=torch.bool)])
-    return ActiveVocab(torch.cat([static_ids, pad_ids]), torch.cat([rows, pad_rows]), valid.to(static_ids.device),
-                       static_ids.shape[0])
+    return ActiveVocab(static_ids.clone(), gather_head_rows(head_weight, static_ids))  # [K, hidden], gathered once

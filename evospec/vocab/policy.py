@@ -1,24 +1,31 @@
 """How each method chooses the draft's active vocabulary, behind one interface (no method-string branching).
 
-A `VocabPolicy` is built once per engine and method; `new_session` gives the per-generation `SessionVocab`, whose
-`active` head the draft scores and whose `observe` hook sees every verified step (the place where EvoSpec's
-dynamic buffer learns). Updates happen only in `observe`, i.e. between steps, never between drafting a tree and
-verifying it.
+A `VocabPolicy` is built once per server and method; `new_session` gives the per-generation `SessionVocab`, whose
+`active` head the draft scores and whose `observe` hook sees every verified step. Buffer updates happen only in
+`observe`, i.e. between steps: never between drafting a tree and verifying it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from evospec.verify import VerifyResult
 from evospec.vocab.active import ActiveVocab, full_vocab, static_vocab
+from evospec.vocab.dynamic import DynamicBuffer, SlotChange
+from evospec.vocab.retrieval import (CoocIndex, ExactEmbeddingIndex, SemanticRetriever, StatisticalRetriever,
+                                     TargetFeedback)
 
 
 class SessionVocab(Protocol):
     active: ActiveVocab
+    restricted: bool  # A is a strict subset of the vocabulary (misses are possible)
+    wants_target_feedback: bool  # observe() uses the target's full-vocabulary view of verified positions
 
-    def observe(self, result: VerifyResult, buffer_update: "list[int] | None" = None) -> None: ...
+    def in_active(self) -> torch.Tensor: ...  # [V] bool
+
+    def observe(self, result: VerifyResult, feedback: TargetFeedback | None) -> list[SlotChange]: ...
 
 
 class VocabPolicy(Protocol):
@@ -28,28 +35,123 @@ class VocabPolicy(Protocol):
 class FixedSessionVocab:
     """A session whose active vocabulary never changes (sd, frspec)."""
 
-    def __init__(self, active: ActiveVocab):
+    def __init__(self, active: ActiveVocab, vocab_size: int):
         self.active = active
+        self.restricted = active.size < vocab_size
+        self.wants_target_feedback = False
+        self._mask = active.contains_mask(vocab_size)
 
-    def observe(self, result: VerifyResult, buffer_update: list[int] | None = None) -> None:
-        return None
+    def in_active(self) -> torch.Tensor:
+        return self._mask
+
+    def observe(self, result: VerifyResult, feedback: TargetFeedback | None) -> list[SlotChange]:
+        return []
 
 
 class FullVocabPolicy:
     """`sd`: the draft scores all rows."""
 
     def __init__(self, head_weight: torch.Tensor):
-        self._active = full_vocab(head_weight)
+        self._session = FixedSessionVocab(full_vocab(head_weight), head_weight.shape[0])
 
     def new_session(self, prompt_ids: list[int]) -> SessionVocab:
-        return FixedSessionVocab(self._active)
+        return self._session
 
 
 class StaticVocabPolicy:
     """`frspec`: the draft scores the K static rows, gathered once and shared by every session (read-only)."""
 
     def __init__(self, head_weight: torch.Tensor, static_ids: torch.Tensor):
-        self._active = static_vocab(head_weight, static_ids)
+        self._session = FixedSessionVocab(static_vocab(head_weight, static_ids), head_weight.shape[0])
 
     def new_session(self, prompt_ids: list[int]) -> SessionVocab:
-        return FixedSessionVocab(self._active)
+        return self._session
+
+
+@dataclass(frozen=True)
+class EvoSpecSettings:
+    dynamic_size: int = 256
+    use_statistical: bool = True
+    use_semantic: bool = True
+    use_target: bool = True
+    min_residency: int = 4
+    buffer_decay: float = 0.9
+    stat_decay: float = 0.95
+    stat_candidates: int = 64
+    semantic_every: int = 8  # steps between semantic queries (they cost a [q, pool] matmul)
+    semantic_k: int = 32
+
+
+class EvoSpecPolicy:
+    """`evospec`: static rows shared, plus a per-session dynamic buffer fed by statistical, semantic and target
+    retrieval. Shared, built once: the long-tail mask (∉ S, trained rows only), the embedding index, co-occurrence."""
+
+    def __init__(self, head_weight: torch.Tensor, static_ids: torch.Tensor, settings: EvoSpecSettings,
+                 cooc: CoocIndex | None = None):
+        self.head_weight = head_weight
+        self.settings = settings
+        self.static = static_vocab(head_weight, static_ids)
+        vocab = head_weight.shape[0]
+        in_static = torch.zeros(vocab, dtype=torch.bool)
+        in_static[static_ids.cpu()] = True
+        has_row = head_weight.detach().float().norm(dim=-1).cpu() > 0  # never-trained (zero) rows are no candidates
+        self.long_tail = ~in_static & has_row  # [V]
+        self.index = ExactEmbeddingIndex(head_weight.detach().cpu(), self.long_tail.nonzero()[:, 0]) \
+            if settings.use_semantic else None
+        self.cooc = cooc
+
+    def new_session(self, prompt_ids: list[int]) -> "EvoSessionVocab":
+        return EvoSessionVocab(self, prompt_ids)
+
+
+class EvoSessionVocab:
+    restricted = True
+
+    def __init__(self, policy: EvoSpecPolicy, prompt_ids: list[int]):
+        s = policy.settings
+        self.policy = policy
+        self.wants_target_feedback = s.use_target
+        self.active = policy.static.with_dynamic_slots(policy.head_weight, s.dynamic_size)
+        self.buffer = DynamicBuffer(s.dynamic_size, s.min_residency, s.buffer_decay)
+        self.stat = StatisticalRetriever(policy.long_tail, s.stat_decay, policy.cooc) if s.use_statistical else None
+        self.semantic = SemanticRetriever(policy.head_weight.detach().cpu(), policy.index, policy.long_tail,
+                                          k=s.semantic_k) if s.use_semantic else None
+        self.tokens = list(prompt_ids)
+        self.step = 0
+        self._mask = self.active.contains_mask(policy.head_weight.shape[0])
+        self.initial_changes = self._merge(prompt_ids, None, semantic=True)
+
+    def in_active(self) -> torch.Tensor:
+        return self._mask
+
+    def observe(self, result: VerifyResult, feedback: TargetFeedback | None) -> list[SlotChange]:
+        self.step += 1
+        self.tokens.extend(result.committed_tokens)
+        semantic = self.step % self.policy.settings.semantic_every == 0
+        return self._merge(result.committed_tokens, feedback, semantic)
+
+    def _merge(self, new_tokens: list[int], feedback: TargetFeedback | None, semantic: bool) -> list[SlotChange]:
+        candidates: dict[int, float] = {}
+        if self.stat is not None:
+            self.stat.observe(new_tokens)
+            candidates.update(self.stat.candidates(self.policy.settings.stat_candidates))
+        if semantic and self.semantic is not None:
+            for tok, score in self.semantic.candidates(self.tokens).items():
+                candidates[tok] = max(candidates.get(tok, 0.0), score)
+        if feedback is not None:  # ids outside A by construction; top priority
+            for tok, score in feedback.candidates.items():
+                candidates[tok] = max(candidates.get(tok, 0.0), score)
+        changes = self.buffer.merge({t: s for t, s in candidates.items() if not self._in_static(t)}, self.step)
+        self.apply(changes)
+        return changes
+
+    def _in_static(self, tok: int) -> bool:
+        return bool(self._mask[tok]) and tok not in self.buffer
+
+    def apply(self, changes: list[SlotChange]) -> None:
+        for ch in changes:
+            if ch.evicted >= 0:
+                self._mask[ch.evicted] = False
+            self.active.set_dynamic(self.policy.head_weight, ch.slot, ch.token_id)
+            if ch.token_id >= 0:
+                self._mask[ch.token_id] = True

@@ -5,15 +5,18 @@ import torch
 
 from evospec.config import SpecParams
 from evospec.errors import InvalidRequestError
-from evospec.vocab.policy import FullVocabPolicy, StaticVocabPolicy, VocabPolicy
+from evospec.vocab.policy import EvoSpecPolicy, EvoSpecSettings, FullVocabPolicy, StaticVocabPolicy, VocabPolicy
+from evospec.vocab.retrieval import CoocIndex
 
 
 class VocabPolicies:
     """Builds each (method, sizes) policy once and caches it: gathering head rows is done once per server."""
 
-    def __init__(self, head_weight: torch.Tensor | None, static_ids: torch.Tensor | None):
+    def __init__(self, head_weight: torch.Tensor | None, static_ids: torch.Tensor | None,
+                 cooc: CoocIndex | None = None):
         self.head_weight = head_weight
         self.static_ids = static_ids  # ranked by frequency, most frequent first
+        self.cooc = cooc
         self._cache: dict[tuple, VocabPolicy] = {}
 
     def _static_prefix(self, k: int) -> torch.Tensor:
@@ -36,4 +39,9 @@ class VocabPolicies:
             return FullVocabPolicy(self.head_weight)
         if spec.method == "frspec":
             return StaticVocabPolicy(self.head_weight, self._static_prefix(spec.vocab.static_size))
+        if spec.method == "evospec":
+            v = spec.vocab
+            settings = EvoSpecSettings(dynamic_size=v.dynamic_size, use_statistical="statistical" in v.retrieval,
+                                       use_semantic="semantic" in v.retrieval, use_target="target" in v.retrieval)
+            return EvoSpecPolicy(self.head_weight, self._static_prefix(v.static_size), settings, self.cooc)
         raise InvalidRequestError("spec.method", f"'{spec.method}' is not available in this build")

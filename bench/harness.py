@@ -1,0 +1,170 @@
+"""Side-by-side benchmark harness: every method runs on the same models and prompts in one process, interleaved
+per repeat (so machine drift hits all methods alike); results carry min/median/max over repeats and ratios."""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from tqdm import tqdm
+
+from evospec.config import SamplingParams, SpecParams
+from evospec.engine.generate import SpeculativeDecoder
+from evospec.engine.stats import SpecStats
+
+
+@dataclass
+class Arm:
+    """One compared configuration. `run` (optional) replaces the in-process decoder (external peers)."""
+    name: str
+    spec: SpecParams | None = None
+    run: Callable[[list[int], SamplingParams], tuple[list[int], dict]] | None = None
+
+
+@dataclass
+class Cell:
+    """Measurements of one arm on one prompt set and temperature, over repeats."""
+    tokens_per_s: list[float] = field(default_factory=list)
+    tau: list[float] = field(default_factory=list)
+    alpha: list[float] = field(default_factory=list)
+    head_share: list[float] = field(default_factory=list)
+    miss_rate: list[float] = field(default_factory=list)
+    extra: dict[str, list[float]] = field(default_factory=dict)
+    outputs: list[list[int]] | None = None
+
+
+def summarize(values: list[float]) -> dict:
+    if not values:
+        return {}
+    return {"min": round(min(values), 4), "median": round(statistics.median(values), 4), "max": round(max(values), 4)}
+
+
+def run_arm(decoder: SpeculativeDecoder, arm: Arm, prompts: list[list[int]], sampling: SamplingParams,
+            extra_stats: Callable[[SpecStats], dict] | None = None) -> tuple[dict, list[list[int]]]:
+    """Generate every prompt once; returns aggregate metrics for this repeat and the outputs."""
+    total = SpecStats()
+    outputs, generated, extras = [], 0, {}
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        params = sampling.model_copy(update={"seed": sampling.seed + i if sampling.seed is not None else None})
+        if arm.run is not None:
+            out, stats = arm.run(prompt, params)
+        else:
+            gen = decoder.generate(prompt, params, arm.spec)
+            for _ in gen:
+                pass
+            out, stats = gen.output_ids, gen.stats
+            for name in ("steps", "drafted", "accepted", "draft_seconds", "draft_head_seconds", "misses",
+                         "verified_positions", "buffer_updates", "buffer_update_seconds"):
+                setattr(total, name, getattr(total, name) + getattr(stats, name))
+            for k, v in (extra_stats(stats) if extra_stats else {}).items():
+                extras[k] = extras.get(k, 0.0) + v
+        outputs.append(out)
+        generated += len(out)
+    elapsed = time.perf_counter() - start
+    metrics = {"tokens_per_s": generated / elapsed, "tau": total.tau, "alpha": total.alpha,
+               "head_share": total.draft_head_seconds / total.draft_seconds if total.draft_seconds else 0.0,
+               "miss_rate": total.miss_rate, **extras}
+    return metrics, outputs
+
+
+def run_side_by_side(decoder: SpeculativeDecoder, arms: list[Arm], prompt_sets: dict[str, list[list[int]]],
+                     samplings: dict[str, SamplingParams], repeats: int, warmup: bool = True,
+                     extra_stats: Callable[[SpecStats], dict] | None = None) -> dict:
+    """-> {(set, temp): {arm: Cell}} serialized as nested dicts, with a greedy-identity check against `ar`."""
+    cells: dict[tuple[str, str, str], Cell] = {}
+    jobs = [(s, t) for s in prompt_sets for t in samplings]
+    if warmup:  # first-call costs (allocator, gathers) must not land on whichever arm runs first
+        for arm in arms:
+            run_arm(decoder, arm, list(prompt_sets.values())[0][:1],
+                    list(samplings.values())[0].model_copy(update={"max_tokens": 8}))
+    with tqdm(total=repeats * len(jobs) * len(arms), desc="bench") as bar:
+        for rep in range(repeats):
+            for set_name, temp_name in jobs:
+                order = arms if rep % 2 == 0 else arms[::-1]
+                for arm in order:
+                    metrics, outputs = run_arm(decoder, arm, prompt_sets[set_name], samplings[temp_name],
+                                               extra_stats)
+                    cell = cells.setdefault((set_name, temp_name, arm.name), Cell())
+                    for k, v in metrics.items():
+                        target = getattr(cell, k, None)
+                        (target if isinstance(target, list) else cell.extra.setdefault(k, [])).append(v)
+                    if cell.outputs is None:
+                        cell.outputs = outputs
+                    bar.update(1)
+    return finalize(cells, arms, prompt_sets, samplings)
+
+
+def finalize(cells, arms, prompt_sets, samplings) -> dict:
+    results = {}
+    for set_name in prompt_sets:
+        for temp_name, sampling in samplings.items():
+            key = f"{set_name}/{temp_name}"
+            row = {}
+            ar = cells.get((set_name, temp_name, "ar"))
+            ar_tps = statistics.median(ar.tokens_per_s) if ar else None
+            for arm in arms:
+                c = cells[(set_name, temp_name, arm.name)]
+                entry = {m: summarize(getattr(c, m)) for m in ("tokens_per_s", "tau", "alpha", "head_share",
+                                                               "miss_rate")}
+                entry.update({k: summarize(v) for k, v in c.extra.items()})
+                if ar_tps:
+                    entry["speedup_vs_ar"] = round(statistics.median(c.tokens_per_s) / ar_tps, 3)
+                if sampling.greedy and ar is not None:
+                    entry["greedy_identical_to_ar"] = c.outputs == ar.outputs
+                row[arm.name] = entry
+            results[key] = row
+    return results
+
+
+def markdown_table(results: dict, columns=("tokens_per_s", "speedup_vs_ar", "tau", "alpha", "head_share",
+                                             "miss_rate", "greedy_identical_to_ar")) -> str:
+    lines = []
+    for key, row in results.items():
+        lines.append(f"\n### {key}\n")
+        lines.append("| method | " + " | ".join(columns) + " |")
+        lines.append("|---" * (len(columns) + 1) + "|")
+        for name, entry in row.items():
+            cells = []
+            for col in columns:
+                v = entry.get(col, "")
+                if isinstance(v, dict) and v:
+                    cells.append(f"{v['median']:.3g} ({v['min']:.3g}–{v['max']:.3g})")
+                elif isinstance(v, bool):
+                    cells.append("yes" if v else "**NO**")
+                else:
+                    cells.append(str(v) if v != "" else "–")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path, metric: str = "tokens_per_s") -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    keys = list(results)
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 4), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        names = list(results[key])
+        med = [results[key][n][metric]["median"] for n in names]
+        lo = [m - results[key][n][metric]["min"] for m, n in zip(med, names)]
+        hi = [results[key][n][metric]["max"] - m for m, n in zip(med, names)]
+        ax.bar(range(len(names)), med, yerr=[lo, hi], capsize=3, color="tab:blue")
+        ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=7)
+        ax.set_title(key, fontsize=9)
+        ax.set_ylabel(metric)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_results(results: dict, meta: dict, out_dir: Path, name: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    md = f"# {name}\n\n```\n{json.dumps(meta, indent=1)}\n```\n" + markdown_table(results)
+    (out_dir / f"{name}.md").write_text(md)
+    plot(results, out_dir / f"{name}.png")
+    print(md)

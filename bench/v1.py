@@ -1,0 +1,73 @@
+"""Benchmark v1: `ar`, `sd`, `frspec` K in {8k, 16k, 32k} and HF transformers assisted generation, side by side.
+
+    evospec bench v1 [--repeats 3] [--prompts 6] [--max-tokens 64] [--out results/bench_v1]
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+from pathlib import Path
+
+import torch
+
+from bench.harness import Arm, run_side_by_side, write_results
+from bench.prompts import PROMPT_SETS
+from evospec.config import SamplingParams, SpecParams, TreeParams
+from evospec.loading import QWEN3_STOP_IDS, load_pair
+
+
+def hf_assisted_arm(draft_dir: Path, target_dir: Path) -> Arm:
+    """transformers' assisted generation (`assistant_model=`) on the same weights: the external peer."""
+    from transformers import AutoModelForCausalLM
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
+
+    def run(prompt: list[int], sampling: SamplingParams):
+        kwargs = dict(do_sample=False) if sampling.greedy else dict(do_sample=True, temperature=sampling.temperature,
+                                                                    top_p=sampling.top_p)
+        with torch.inference_mode():
+            out = target.generate(torch.tensor([prompt]), assistant_model=draft, max_new_tokens=sampling.max_tokens,
+                                  eos_token_id=list(QWEN3_STOP_IDS), pad_token_id=QWEN3_STOP_IDS[1], **kwargs)
+        tokens = out[0, len(prompt):].tolist()
+        for i, t in enumerate(tokens):
+            if t in QWEN3_STOP_IDS:
+                return tokens[:i], None
+        return tokens, None
+    return Arm("hf-assisted", run=run)
+
+
+def tokenize_sets(tokenizer, names: list[str], n: int) -> dict[str, list[list[int]]]:
+    return {name: [list(tokenizer.apply_chat_template(conv, add_generation_prompt=True, enable_thinking=False))
+                   for conv in PROMPT_SETS[name](n)] for name in names}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--tree", default="chain", choices=["chain", "tree"])
+    ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers assisted-generation peer")
+    ap.add_argument("--out", type=Path, default=Path("results/bench_v1"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    pair = load_pair()
+    tree = TreeParams(shape=args.tree, num_draft_tokens=args.num_draft_tokens, depth=4, branching=2, budget=8)
+    arms = [Arm("ar", SpecParams(method="ar")), Arm("sd", SpecParams(method="sd", tree=tree))]
+    arms += [Arm(f"frspec-{k // 1024}k", SpecParams(method="frspec", tree=tree, vocab={"static_size": k}))
+             for k in (8192, 16384, 32768)]
+    if not args.no_hf:
+        arms.append(hf_assisted_arm(pair.draft_path, pair.target_path))
+    sets = tokenize_sets(pair.tokenizer, ["medical", "general"], args.prompts)
+    samplings = {"greedy": SamplingParams(max_tokens=args.max_tokens, temperature=0.0),
+                 "T=1": SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=0)}
+    results = run_side_by_side(pair.decoder, arms, sets, samplings, args.repeats)
+    meta = {"suite": "v1", "pair": "embedded tiny Qwen3 pair", "tree": tree.model_dump(), "repeats": args.repeats,
+            "prompts_per_set": args.prompts, "max_tokens": args.max_tokens, "threads": torch.get_num_threads(),
+            "machine": platform.platform(), "static_vocab": "Spec-Bench (general) 32k artifact, prefixes for 8k/16k"}
+    write_results(results, meta, args.out, "bench_v1")
+
+
+if __name__ == "__main__":
+    main()

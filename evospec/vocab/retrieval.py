@@ -1,0 +1,138 @@
+"""Where dynamic-buffer candidates come from. Each source returns {token id: score} over long-tail ids (∉ S).
+
+- statistical: long-tail ids of the prompt and the committed output, counts with per-step recency decay, plus an
+  optional offline co-occurrence index ("token a seen -> long-tail b likely") built from a domain corpus.
+- semantic: nearest long-tail neighbours, in the draft's (tied) embedding space, of the recent context (mean of
+  normalized embeddings of the last `window` tokens) and of each recent long-tail token. Exact top-k over normalized
+  rows behind the `NeighbourIndex` interface (swap in FAISS for big pools).
+- target-fed: the target sees full-vocabulary logits at every verified position; its token there when ∉ A (a miss)
+  and any token ∉ A with probability >= `min_prob` become candidates with top priority.
+Score scales: statistical ~ decayed counts (0..~10), semantic = cosine (0..1), target-fed = TARGET_PRIORITY + prob.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+TARGET_PRIORITY = 100.0
+
+
+class StatisticalRetriever:
+    def __init__(self, long_tail: torch.Tensor, decay: float = 0.95, cooc: "CoocIndex | None" = None,
+                 cooc_weight: float = 0.5):
+        self.long_tail = long_tail  # [V] bool
+        self.decay = decay
+        self.counts = torch.zeros(long_tail.shape[0])  # [V] decayed counts
+        self.cooc = cooc
+        self.cooc_weight = cooc_weight
+
+    def observe(self, tokens: list[int]) -> None:
+        self.counts.mul_(self.decay)
+        if not tokens:
+            return
+        ids = torch.tensor(tokens, dtype=torch.long)
+        self.counts.index_add_(0, ids, torch.ones(len(tokens)))
+        if self.cooc is not None:
+            pred_ids, pred_scores = self.cooc.expand(tokens)
+            if pred_ids.numel():
+                self.counts.index_add_(0, pred_ids, self.cooc_weight * pred_scores)
+
+    def candidates(self, k: int) -> dict[int, float]:
+        scores = self.counts * self.long_tail  # [V]
+        top = scores.topk(k)
+        return {int(i): float(s) for i, s in zip(top.indices, top.values) if s > 0}
+
+
+class CoocIndex:
+    """keys [n] sorted token ids; neighbours [n, m] long-tail ids (-1 pad); weights [n, m] in [0, 1]."""
+
+    def __init__(self, keys: torch.Tensor, neighbours: torch.Tensor, weights: torch.Tensor):
+        self.keys, self.neighbours, self.weights = keys.long(), neighbours.long(), weights.float()
+
+    def expand(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.tensor(tokens, dtype=torch.long)
+        pos = torch.searchsorted(self.keys, ids).clamp_max(self.keys.shape[0] - 1)
+        hit = self.keys[pos] == ids
+        nb, w = self.neighbours[pos[hit]].flatten(), self.weights[pos[hit]].flatten()
+        keep = nb >= 0
+        return nb[keep], w[keep]
+
+    @classmethod
+    def load(cls, path) -> "CoocIndex":
+        from safetensors.torch import load_file
+        t = load_file(str(path))
+        return cls(t["keys"], t["neighbours"], t["weights"])
+
+
+class NeighbourIndex(Protocol):
+    def query(self, vectors: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class ExactEmbeddingIndex:
+    """Exact cosine top-k over a fixed pool of embedding rows. vectors: [q, hidden] -> (ids [q, k], sims [q, k])."""
+
+    def __init__(self, embeddings: torch.Tensor, pool_ids: torch.Tensor):
+        rows = embeddings.index_select(0, pool_ids).float()
+        self.pool_rows = rows / rows.norm(dim=-1, keepdim=True).clamp_min(1e-6)  # [P, hidden]
+        self.pool_ids = pool_ids
+
+    def query(self, vectors: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        vectors = vectors.float()
+        vectors = vectors / vectors.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+        sims = vectors @ self.pool_rows.T  # [q, P]
+        top = sims.topk(min(k, sims.shape[-1]), dim=-1)
+        return self.pool_ids[top.indices], top.values
+
+
+class SemanticRetriever:
+    def __init__(self, embeddings: torch.Tensor, index: NeighbourIndex, long_tail: torch.Tensor, window: int = 32,
+                 k: int = 32):
+        self.embeddings, self.index, self.long_tail = embeddings, index, long_tail
+        self.window, self.k = window, k
+
+    def candidates(self, tokens: list[int]) -> dict[int, float]:
+        recent = tokens[-self.window:]
+        if not recent:
+            return {}
+        ids = torch.tensor(recent, dtype=torch.long)
+        emb = self.embeddings.index_select(0, ids.to(self.embeddings.device)).float().cpu()
+        emb = emb / emb.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+        tail = ids[self.long_tail[ids]].unique()[-8:]  # recent long-tail tokens get their own neighbours
+        queries = [emb.mean(0, keepdim=True)]
+        if tail.numel():
+            tail_emb = self.embeddings.index_select(0, tail.to(self.embeddings.device)).float().cpu()
+            queries.append(tail_emb)
+        nb, sims = self.index.query(torch.cat(queries), max(1, self.k // len(torch.cat(queries))))
+        out: dict[int, float] = {}
+        for i, s in zip(nb.flatten().tolist(), sims.flatten().tolist()):
+            if s > 0:
+                out[i] = max(out.get(i, 0.0), s)
+        return out
+
+
+@dataclass(frozen=True)
+class TargetFeedback:
+    misses: int  # verified positions whose target token is outside A
+    positions: int  # verified positions (accepted + bonus)
+    candidates: dict[int, float]  # ids ∉ A for the buffer, scored TARGET_PRIORITY + prob
+
+
+def target_feedback(target_logits: torch.Tensor, committed: list[int], in_active: torch.Tensor,
+                    top_m: int = 4, min_prob: float = 0.02) -> TargetFeedback:
+    """target_logits: [m, V] rows at the verified positions; committed: the m tokens committed there."""
+    probs = target_logits.float().softmax(-1)  # [m, V]
+    outside = probs.masked_fill(in_active, 0.0)
+    top = outside.topk(top_m, dim=-1)
+    cands: dict[int, float] = {}
+    for ids, ps in zip(top.indices.tolist(), top.values.tolist()):
+        for i, p in zip(ids, ps):
+            if p >= min_prob:
+                cands[i] = max(cands.get(i, 0.0), TARGET_PRIORITY + p)
+    misses = 0
+    for row, tok in enumerate(committed):
+        if not in_active[tok]:
+            misses += 1
+            cands[tok] = TARGET_PRIORITY + 1.0 + float(probs[row, tok])
+    return TargetFeedback(misses, len(committed), cands)

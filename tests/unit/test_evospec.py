@@ -1,0 +1,145 @@
+"""EvoSpec: dynamic buffer eviction and residency, retrieval sources, update ordering, losslessness."""
+import numpy as np
+import pytest
+import torch
+
+from evospec.config import SamplingParams, SpecParams, TreeParams
+from evospec.engine.generate import SpeculativeDecoder
+from evospec.verify import VerifyResult
+from evospec.vocab.dynamic import DynamicBuffer
+from evospec.vocab.policy import EvoSpecPolicy, EvoSpecSettings
+from evospec.vocab.retrieval import (TARGET_PRIORITY, CoocIndex, ExactEmbeddingIndex, StatisticalRetriever,
+                                     target_feedback)
+from helpers import random_pair
+
+
+def test_buffer_fills_free_slots_then_evicts_weakest_after_residency():
+    buf = DynamicBuffer(capacity=2, min_residency=2, decay=1.0)
+    changes = buf.merge({10: 1.0, 11: 2.0}, step=0)
+    assert {c.token_id for c in changes} == {10, 11} and len(buf) == 2
+    assert buf.merge({12: 5.0}, step=1) == []  # residents too young to evict
+    changes = buf.merge({12: 5.0}, step=2)
+    assert [(c.token_id, c.evicted) for c in changes] == [(12, 10)]  # 10 had the lowest score
+    assert buf.evictions == 1 and 12 in buf and 10 not in buf
+
+
+def test_buffer_keeps_residents_that_outscore_candidates_and_refreshes_them():
+    buf = DynamicBuffer(capacity=1, min_residency=0, decay=0.5)
+    buf.merge({7: 4.0}, step=0)
+    assert buf.merge({8: 1.0}, step=1) == []  # 7 decayed to 2.0, still above 1.0
+    buf.merge({7: 9.0}, step=2)  # refreshed
+    assert buf.merge({8: 3.0}, step=3) == []  # 9.0 * 0.5 = 4.5 > 3.0
+    assert [c.token_id for c in buf.merge({8: 5.0}, step=4)] == [8]
+
+
+def test_statistical_counts_decay_and_stay_in_long_tail():
+    long_tail = torch.tensor([False, False, True, True, True])
+    stat = StatisticalRetriever(long_tail, decay=0.5)
+    stat.observe([0, 2, 2, 3])
+    stat.observe([4])
+    cands = stat.candidates(5)
+    assert set(cands) == {2, 3, 4}  # id 0 is in S
+    assert cands[2] == pytest.approx(1.0) and cands[4] == pytest.approx(1.0) and cands[3] == pytest.approx(0.5)
+
+
+def test_cooc_index_expands_seen_tokens():
+    cooc = CoocIndex(torch.tensor([1, 5]), torch.tensor([[3, -1], [4, 3]]), torch.tensor([[1.0, 0.0], [0.5, 0.25]]))
+    ids, w = cooc.expand([5, 9, 1])
+    assert sorted(zip(ids.tolist(), w.tolist())) == [(3, 0.25), (3, 1.0), (4, 0.5)]
+
+
+def test_semantic_index_returns_nearest_rows():
+    emb = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.9, 0.1], [-1.0, 0.0]])
+    index = ExactEmbeddingIndex(emb, torch.tensor([1, 2, 3]))
+    ids, sims = index.query(torch.tensor([[1.0, 0.05]]), k=2)
+    assert ids.tolist() == [[2, 1]] and sims[0, 0] > 0.99
+
+
+def test_target_feedback_reports_misses_and_likely_outsiders():
+    in_active = torch.tensor([True, True, False, False, False])
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.25, 0.04, 0.01],   # 2 and 3 likely outside A
+                                     [0.1, 0.1, 0.1, 0.1, 0.6]]))   # committed 4: a miss
+    fb = target_feedback(logits, committed=[0, 4], in_active=in_active, top_m=2, min_prob=0.03)
+    assert fb.misses == 1 and fb.positions == 2
+    assert fb.candidates[4] > fb.candidates[2] > fb.candidates[3] >= TARGET_PRIORITY
+    assert 0 not in fb.candidates and 1 not in fb.candidates
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return random_pair(vocab=96, seed=4, eos=1)
+
+
+def evo_decoder(pair, static=48):
+    target, draft = pair
+    return SpeculativeDecoder(target, draft, static_ids=torch.arange(0, 96, 96 // static)[:static])
+
+
+def test_buffer_updates_happen_only_between_steps(pair):
+    """Spy on the vocabulary: every tree is verified against the A it was drafted with (no change in between)."""
+    dec = evo_decoder(pair)
+    events = []
+    orig_propose, orig_verify = dec.draft.propose, dec.target.verify
+
+    def propose(session):
+        events.append(("draft", session.vocab.active.row_ids.clone()))
+        return orig_propose(session)
+
+    def verify(session, tree):
+        events.append(("verify", tree.active_ids.clone() if tree.active_ids is not None else None))
+        return orig_verify(session, tree)
+    dec.draft.propose, dec.target.verify = propose, verify
+    spec = SpecParams(method="evospec", tree=TreeParams(shape="tree", depth=3, branching=2, budget=6),
+                      vocab={"static_size": 48, "dynamic_size": 8})
+    gen = dec.generate([3, 50, 51, 77], SamplingParams(max_tokens=40, temperature=1.0, seed=0, ignore_eos=True), spec)
+    list(gen)
+    pairs = list(zip(events[::2], events[1::2]))
+    assert pairs and all(d[0] == "draft" and v[0] == "verify" and torch.equal(d[1], v[1]) for d, v in pairs)
+    assert gen.stats.buffer_updates > 0  # the buffer did change, between steps
+    assert len({tuple(d[1].tolist()) for d, _ in pairs}) > 1
+
+
+def test_target_fed_buffer_learns_missed_tokens(pair):
+    dec = evo_decoder(pair, static=12)
+    sampling = SamplingParams(max_tokens=60, ignore_eos=True)
+    fr = dec.generate([5, 6, 7], sampling, SpecParams(method="frspec", vocab={"static_size": 12}))
+    evo = dec.generate([5, 6, 7], sampling, SpecParams(method="evospec", vocab={"static_size": 12, "dynamic_size": 32,
+                                                                                 "retrieval": ("target",)}))
+    list(fr), list(evo)
+    assert evo.output_ids == fr.output_ids
+    assert evo.stats.miss_rate < fr.stats.miss_rate and evo.stats.tau > fr.stats.tau
+
+
+TREES = [TreeParams(shape="chain", num_draft_tokens=4), TreeParams(shape="tree", depth=4, branching=2, budget=10)]
+
+
+@pytest.mark.parametrize("retrieval", [("statistical",), ("semantic",), ("target",),
+                                       ("statistical", "semantic", "target")])
+@pytest.mark.parametrize("tree", TREES, ids=["chain", "tree"])
+def test_evospec_greedy_identical(pair, retrieval, tree):
+    dec = evo_decoder(pair, static=24)
+    sampling = SamplingParams(max_tokens=48, ignore_eos=True)
+    for prompt in ([9], [3, 60, 61, 62, 90, 91]):
+        ref = dec.generate(prompt, sampling, SpecParams(method="ar"))
+        out = dec.generate(prompt, sampling, SpecParams(method="evospec", tree=tree,
+                                                        vocab={"static_size": 24, "dynamic_size": 8,
+                                                               "retrieval": retrieval}))
+        list(ref), list(out)
+        assert out.output_ids == ref.output_ids
+
+
+@pytest.mark.slow
+def test_evospec_sampling_distribution():
+    from test_engine_sampling import PROMPT, VOCAB, exact_joint
+    from test_sampling_distribution import chi_square_p
+    target, draft = random_pair(vocab=VOCAB, seed=7, eos=0, noise=0.5)
+    dec = SpeculativeDecoder(target, draft, static_ids=torch.tensor([0, 2, 4]))
+    spec = SpecParams(method="evospec", tree=TreeParams(shape="tree", depth=2, branching=2, budget=6),
+                      vocab={"static_size": 3, "dynamic_size": 2})
+    sampling = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
+    counts = np.zeros(VOCAB * VOCAB)
+    for seed in range(3000):
+        gen = dec.generate(PROMPT, sampling.model_copy(update={"seed": seed}), spec)
+        list(gen)
+        counts[gen.output_ids[0] * VOCAB + gen.output_ids[1]] += 1
+    assert chi_square_p(counts, exact_joint(target, sampling)) > 1e-3

@@ -1,0 +1,140 @@
+"""Statistical losslessness of stochastic verification: the committed tokens follow the target distribution.
+
+Chi-square goodness of fit over >= 20k seeded samples on a tiny vocabulary, for chain and tree drafts drawn
+without replacement from the draft distribution actually used, T in {0.7, 1.0}, with top-p. A negative control
+(a verifier that skips the residual correction) must fail the same test, so the test can fail.
+"""
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from evospec.config import SamplingParams
+from evospec.sampling import logits_to_probs, sample_without_replacement
+from evospec.tree import DraftTree
+from evospec.verify import verify_stochastic
+
+VOCAB = 6
+SAMPLES = 20_000
+
+
+def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
+    probs = probs.astype(np.float64) / probs.astype(np.float64).sum()
+    keep = probs * counts.sum() >= 5
+    obs = np.append(counts[keep], counts[~keep].sum())
+    exp = np.append(probs[keep], probs[~keep].sum()) * counts.sum()
+    exp *= obs.sum() / exp.sum()
+    if exp[-1] == 0:
+        assert obs[-1] == 0, "mass where the target has none"
+        obs, exp = obs[:-1], exp[:-1]
+    return chisquare(obs, exp).pvalue
+
+
+def make_logits(gen):
+    """Target and draft logits for the root and for every token as a parent (depth-2 contexts)."""
+    target = torch.randn(1 + VOCAB, VOCAB, generator=gen) * 1.5
+    draft = target + torch.randn(1 + VOCAB, VOCAB, generator=gen)  # correlated, not equal
+    return target, draft
+
+
+def draft_tree(draft_probs_rows, branching, depth2_branching, gen):
+    """Root children: `branching` tokens without replacement; each gets `depth2_branching` children."""
+    tokens, parents, probs = [], [], {}
+    probs[-1] = draft_probs_rows[0]
+    for tok in sample_without_replacement(draft_probs_rows[0], branching, gen).tolist():
+        tokens.append(tok)
+        parents.append(-1)
+    for node in range(len(tokens)):
+        probs[node] = draft_probs_rows[1 + tokens[node]]
+        for tok in sample_without_replacement(probs[node], depth2_branching, gen).tolist():
+            tokens.append(tok)
+            parents.append(node)
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents), probs, torch.arange(VOCAB))
+
+
+def sample_two_tokens(target_probs_rows, draft_probs_rows, branching, depth2, seed, verifier=verify_stochastic):
+    """Counts of (first, second) committed tokens; the second only when the first was an accepted node."""
+    gen = torch.Generator().manual_seed(seed)
+    first = np.zeros(VOCAB)
+    second = np.zeros((VOCAB, VOCAB))
+    for _ in range(SAMPLES):
+        tree = draft_tree(draft_probs_rows, branching, depth2, gen)
+        rows = torch.stack([target_probs_rows[0]] + [target_probs_rows[1 + t] for t in tree.token_ids.tolist()])
+        result = verifier(tree, rows, gen)
+        committed = result.committed_tokens
+        first[committed[0]] += 1
+        if len(committed) >= 2:
+            second[committed[0], committed[1]] += 1
+    return first, second
+
+
+CASES = [  # (name, branching at root, branching at depth 2, sampling)
+    ("chain-T1", 1, 1, SamplingParams(temperature=1.0)),
+    ("chain-T0.7-topp", 1, 1, SamplingParams(temperature=0.7, top_p=0.8)),
+    ("tree-T1", 3, 2, SamplingParams(temperature=1.0)),
+    ("tree-T0.7-topp", 3, 2, SamplingParams(temperature=0.7, top_p=0.9)),
+    ("tree-T1-topk", 2, 2, SamplingParams(temperature=1.0, top_k=4)),
+]
+
+
+@pytest.mark.parametrize("name,branching,depth2,sampling", CASES, ids=[c[0] for c in CASES])
+def test_committed_tokens_follow_target(name, branching, depth2, sampling):
+    gen = torch.Generator().manual_seed(11)
+    target_logits, draft_logits = make_logits(gen)
+    target_probs = logits_to_probs(target_logits, sampling)
+    draft_probs = logits_to_probs(draft_logits, sampling)
+    first, second = sample_two_tokens(target_probs, draft_probs, branching, depth2, seed=1)
+    assert chi_square_p(first, target_probs[0].numpy()) > 1e-3
+    # given the first token came from an accepted node x, the second follows the target's p(. | x)
+    for x in range(VOCAB):
+        if second[x].sum() >= 500:
+            assert chi_square_p(second[x], target_probs[1 + x].numpy()) > 1e-3, f"second token after {x}"
+
+
+def biased_verifier(tree, target_probs, generator):
+    """Wrong on purpose: accepts by min(1, p/q) but draws the bonus from p, not from the residual."""
+    from evospec.verify import VerifyResult
+    children = tree.children().get(-1, [])
+    q = tree.draft_probs[-1]
+    for c in children:
+        x = int(tree.token_ids[c])
+        if torch.rand((), generator=generator).item() * q[x].item() < target_probs[0, x].item():
+            return VerifyResult([c], [x], int(torch.multinomial(target_probs[1 + c], 1, generator=generator)))
+    return VerifyResult([], [], int(torch.multinomial(target_probs[0], 1, generator=generator)))
+
+
+def test_negative_control_is_detected():
+    gen = torch.Generator().manual_seed(11)
+    target_logits, draft_logits = make_logits(gen)
+    sampling = SamplingParams(temperature=1.0)
+    first, _ = sample_two_tokens(logits_to_probs(target_logits, sampling), logits_to_probs(draft_logits, sampling),
+                                 1, 1, seed=1, verifier=biased_verifier)
+    assert chi_square_p(first, logits_to_probs(target_logits, sampling)[0].numpy()) < 1e-6
+
+
+def test_seeded_verification_is_deterministic():
+    gen = torch.Generator().manual_seed(11)
+    target_logits, draft_logits = make_logits(gen)
+    s = SamplingParams(temperature=1.0)
+    tp, dp = logits_to_probs(target_logits, s), logits_to_probs(draft_logits, s)
+
+    def run(seed):
+        g = torch.Generator().manual_seed(seed)
+        out = []
+        for _ in range(50):
+            tree = draft_tree(dp, 3, 2, g)
+            rows = torch.stack([tp[0]] + [tp[1 + t] for t in tree.token_ids.tolist()])
+            out.append(verify_stochastic(tree, rows, g).committed_tokens)
+        return out
+
+    assert run(5) == run(5)
+    assert run(5) != run(6)
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p():
+    logits = torch.tensor([[0.1, 0.2, 0.3, 0.4]]).log()
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.65))
+    assert (probs[0] > 0).tolist() == [False, False, True, True]
+    assert probs[0, 3].item() == pytest.approx(0.4 / 0.7)
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=1))
+    assert probs[0].tolist() == [0.0, 0.0, 0.0, 1.0]
