@@ -32,8 +32,12 @@ class Cell:
     alpha: list[float] = field(default_factory=list)
     head_share: list[float] = field(default_factory=list)
     miss_rate: list[float] = field(default_factory=list)
-    extra: dict[str, list[float]] = field(default_factory=dict)
+    buffer_churn: list[float] = field(default_factory=list)
+    update_ms_per_step: list[float] = field(default_factory=list)
     outputs: list[list[int]] | None = None
+
+
+METRICS = ("tokens_per_s", "tau", "alpha", "head_share", "miss_rate", "buffer_churn", "update_ms_per_step")
 
 
 def summarize(values: list[float]) -> dict:
@@ -42,11 +46,11 @@ def summarize(values: list[float]) -> dict:
     return {"min": round(min(values), 4), "median": round(statistics.median(values), 4), "max": round(max(values), 4)}
 
 
-def run_arm(decoder: SpeculativeDecoder, arm: Arm, prompts: list[list[int]], sampling: SamplingParams,
-            extra_stats: Callable[[SpecStats], dict] | None = None) -> tuple[dict, list[list[int]]]:
+def run_arm(decoder: SpeculativeDecoder, arm: Arm, prompts: list[list[int]],
+            sampling: SamplingParams) -> tuple[dict, list[list[int]]]:
     """Generate every prompt once; returns aggregate metrics for this repeat and the outputs."""
     total = SpecStats()
-    outputs, generated, extras = [], 0, {}
+    outputs, generated = [], 0
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         params = sampling.model_copy(update={"seed": sampling.seed + i if sampling.seed is not None else None})
@@ -60,20 +64,19 @@ def run_arm(decoder: SpeculativeDecoder, arm: Arm, prompts: list[list[int]], sam
             for name in ("steps", "drafted", "accepted", "draft_seconds", "draft_head_seconds", "misses",
                          "verified_positions", "buffer_updates", "buffer_update_seconds"):
                 setattr(total, name, getattr(total, name) + getattr(stats, name))
-            for k, v in (extra_stats(stats) if extra_stats else {}).items():
-                extras[k] = extras.get(k, 0.0) + v
         outputs.append(out)
         generated += len(out)
     elapsed = time.perf_counter() - start
     metrics = {"tokens_per_s": generated / elapsed, "tau": total.tau, "alpha": total.alpha,
                "head_share": total.draft_head_seconds / total.draft_seconds if total.draft_seconds else 0.0,
-               "miss_rate": total.miss_rate, **extras}
+               "miss_rate": total.miss_rate,
+               "buffer_churn": total.buffer_updates / total.steps if total.steps else 0.0,
+               "update_ms_per_step": 1000 * total.buffer_update_seconds / total.steps if total.steps else 0.0}
     return metrics, outputs
 
 
 def run_side_by_side(decoder: SpeculativeDecoder, arms: list[Arm], prompt_sets: dict[str, list[list[int]]],
-                     samplings: dict[str, SamplingParams], repeats: int, warmup: bool = True,
-                     extra_stats: Callable[[SpecStats], dict] | None = None) -> dict:
+                     samplings: dict[str, SamplingParams], repeats: int, warmup: bool = True) -> dict:
     """-> {(set, temp): {arm: Cell}} serialized as nested dicts, with a greedy-identity check against `ar`."""
     cells: dict[tuple[str, str, str], Cell] = {}
     jobs = [(s, t) for s in prompt_sets for t in samplings]
@@ -86,12 +89,10 @@ def run_side_by_side(decoder: SpeculativeDecoder, arms: list[Arm], prompt_sets: 
             for set_name, temp_name in jobs:
                 order = arms if rep % 2 == 0 else arms[::-1]
                 for arm in order:
-                    metrics, outputs = run_arm(decoder, arm, prompt_sets[set_name], samplings[temp_name],
-                                               extra_stats)
+                    metrics, outputs = run_arm(decoder, arm, prompt_sets[set_name], samplings[temp_name])
                     cell = cells.setdefault((set_name, temp_name, arm.name), Cell())
                     for k, v in metrics.items():
-                        target = getattr(cell, k, None)
-                        (target if isinstance(target, list) else cell.extra.setdefault(k, [])).append(v)
+                        getattr(cell, k).append(v)
                     if cell.outputs is None:
                         cell.outputs = outputs
                     bar.update(1)
@@ -108,9 +109,7 @@ def finalize(cells, arms, prompt_sets, samplings) -> dict:
             ar_tps = statistics.median(ar.tokens_per_s) if ar else None
             for arm in arms:
                 c = cells[(set_name, temp_name, arm.name)]
-                entry = {m: summarize(getattr(c, m)) for m in ("tokens_per_s", "tau", "alpha", "head_share",
-                                                               "miss_rate")}
-                entry.update({k: summarize(v) for k, v in c.extra.items()})
+                entry = {m: summarize(getattr(c, m)) for m in METRICS}
                 if ar_tps:
                     entry["speedup_vs_ar"] = round(statistics.median(c.tokens_per_s) / ar_tps, 3)
                 if sampling.greedy and ar is not None:

@@ -9,9 +9,11 @@ import torch
 from evospec.engine.generate import SpeculativeDecoder
 from evospec.model import load_qwen3
 from evospec.tokenizer import load_tokenizer
+from evospec.vocab.retrieval import CoocIndex
 from evospec.vocab.static import StaticVocab
 
 DEFAULT_STATIC_VOCAB = Path(__file__).parent / "vocab" / "data" / "qwen3-specbench-32k.json"
+DEFAULT_COOC = Path(__file__).parent / "vocab" / "data" / "cooc-pubmedqa.safetensors"
 QWEN3_STOP_IDS = (151645, 151643)  # <|im_end|>, <|endoftext|>
 
 
@@ -48,13 +50,15 @@ class LoadedPair:
 
 def load_pair(draft_path: str | None = None, target_path: str | None = None,
               static_vocab_path: str | Path | None = DEFAULT_STATIC_VOCAB, device: str = "auto",
-              dtype: str = "auto", max_model_len: int | None = None) -> LoadedPair:
+              dtype: str = "auto", max_model_len: int | None = None,
+              cooc_path: str | Path | None = DEFAULT_COOC) -> LoadedPair:
     draft_dir, target_dir = resolve_pair(draft_path, target_path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     target = load_qwen3(target_dir, dev, dt)
     draft = load_qwen3(draft_dir, dev, dt)
     static = StaticVocab.load(Path(static_vocab_path)) if static_vocab_path else None
+    cooc = CoocIndex.load(cooc_path) if cooc_path and Path(cooc_path).exists() else None
     decoder = SpeculativeDecoder(target, draft, static_ids=torch.tensor(static.token_ids) if static else None,
-                                 max_model_len=max_model_len, eos_ids=QWEN3_STOP_IDS)
+                                 max_model_len=max_model_len, eos_ids=QWEN3_STOP_IDS, cooc=cooc)
     return LoadedPair(decoder, load_tokenizer(str(target_dir)), draft_dir, target_dir, static)

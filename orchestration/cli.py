@@ -83,6 +83,9 @@ def cmd_vocab(args) -> int:
     elif args.vocab_cmd == "export-sglang":
         export_sglang_token_map(StaticVocab.load(Path(args.artifact)), Path(args.out), args.size)
         print(f"wrote {args.out}")
+    elif args.vocab_cmd == "cooc":
+        from evospec.vocab.cooc import build_pubmedqa_cooc
+        build_pubmedqa_cooc(Path(args.out), Path(args.static_vocab))
     elif args.vocab_cmd == "import-sglang":
         tok = load_tokenizer(args.tokenizer)
         vocab = import_sglang_token_map(Path(args.token_map), len(tok))
@@ -118,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("token_map")
     imp.add_argument("--out", required=True)
     imp.add_argument("--tokenizer")
+    cooc = vsub.add_parser("cooc", help="build the PubMedQA co-occurrence index for EvoSpec statistical retrieval")
+    cooc.add_argument("--out", default="evospec/vocab/data/cooc-pubmedqa.safetensors")
+    cooc.add_argument("--static-vocab", default="evospec/vocab/data/qwen3-specbench-32k.json")
     vocab.set_defaults(func=cmd_vocab)
 
     bench = sub.add_parser("bench", help="side-by-side benchmarks: v1 (ar/sd/frspec/HF), grid (EvoSpec table)")

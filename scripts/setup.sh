@@ -13,4 +13,4 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/pip install -q -e ".[dev]"
   touch "$stamp"
 fi
-.venv/bin/python -m proto.codegen
+.venv/bin/python proto/codegen.py

@@ -7,21 +7,20 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from evospec.config import SamplingParams, SpecParams
-from evospec.engine.draft import DraftEngine, DraftSession
+from evospec.engine.draft import DraftEngine
+from evospec.engine.drafter import Drafter, LocalDrafter, NoDrafter
 from evospec.engine.stats import SpecStats
-from evospec.engine.target import TargetEngine, TargetSession, VerifiedStep
+from evospec.engine.target import TargetEngine, TargetSession
 from evospec.errors import InvalidRequestError
 from evospec.model import Qwen3
-from evospec.tree import DraftTree
-from evospec.vocab.policy import VocabPolicy
 from evospec.vocab.registry import VocabPolicies
-from evospec.vocab.retrieval import CoocIndex, target_feedback
+from evospec.vocab.retrieval import CoocIndex
 
 
 @dataclass
@@ -65,7 +64,8 @@ class SpeculativeDecoder:
         self.max_model_len = max_model_len or target.cfg.max_position_embeddings
         self.eos_ids = frozenset(eos_ids if eos_ids is not None else (target.cfg.eos_token_id,))
 
-    def validate(self, prompt_ids: list[int], sampling: SamplingParams, spec: SpecParams) -> None:
+    def validate(self, prompt_ids: list[int], sampling: SamplingParams, spec: SpecParams,
+                 remote_draft: bool = False) -> None:
         if not prompt_ids:
             raise InvalidRequestError("prompt", "is empty; send at least one token")
         vocab = self.target.vocab_size
@@ -78,66 +78,55 @@ class SpeculativeDecoder:
         if len(prompt_ids) + sampling.max_tokens > self.max_model_len:
             raise InvalidRequestError("max_tokens", f"prompt ({len(prompt_ids)}) + max_tokens ({sampling.max_tokens}) "
                                                     f"exceeds the context length {self.max_model_len}")
-        if spec.method != "ar" and self.draft is None:
-            raise InvalidRequestError("spec.method", f"'{spec.method}' needs a draft model; this server has none")
+        if spec.method != "ar" and not remote_draft:
+            if self.draft is None:
+                raise InvalidRequestError("spec.method", f"'{spec.method}' needs a draft model; this server has none")
+            self.policies.get(spec)  # builds (once) or raises InvalidRequestError for an impossible vocabulary
 
-    def generate(self, prompt_ids: list[int], sampling: SamplingParams, spec: SpecParams) -> Generation:
-        """Validates eagerly (raises InvalidRequestError), then returns a lazy Generation."""
-        self.validate(prompt_ids, sampling, spec)
-        policy = self.policies.get(spec) if spec.method != "ar" else None
+    def generate(self, prompt_ids: list[int], sampling: SamplingParams, spec: SpecParams,
+                 drafter_factory: Callable[[list[int], SamplingParams, SpecParams, int, int], Drafter] | None = None
+                 ) -> Generation:
+        """Validates eagerly (raises InvalidRequestError), then returns a lazy Generation.
+
+        drafter_factory(prompt_ids, sampling, spec, max_len, seed) replaces the in-process draft (the decoupled
+        service passes one that talks to the draft replica)."""
+        self.validate(prompt_ids, sampling, spec, remote_draft=drafter_factory is not None)
         seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
-        stats = SpecStats(prompt_tokens=len(prompt_ids))
-        gen = Generation(iter(()), stats)
-        gen.steps = self._run(gen, list(prompt_ids), sampling, spec, policy, seed)
+        gen = Generation(iter(()), SpecStats(prompt_tokens=len(prompt_ids)))
+        gen.steps = self._run(gen, list(prompt_ids), sampling, spec, seed, drafter_factory or self.local_drafter)
         return gen
 
-    def _run(self, gen: Generation, prompt_ids, sampling, spec, policy: VocabPolicy | None, seed) -> Iterator[Chunk]:
+    def local_drafter(self, prompt_ids, sampling, spec, max_len, seed) -> Drafter:
+        if spec.method == "ar":
+            return NoDrafter()
+        policy = self.policies.get(spec)
+        session = self.draft.start(prompt_ids, sampling, spec.tree, policy, max_len, seed + 1)
+        return LocalDrafter(self.draft, session)
+
+    def _run(self, gen: Generation, prompt_ids, sampling, spec, seed, drafter_factory) -> Iterator[Chunk]:
         max_len = len(prompt_ids) + sampling.max_tokens + spec.tree.max_nodes + 2
         target_session = self.target.start(prompt_ids, sampling, max_len, seed)
-        draft_session = None
-        if policy is not None:
-            draft_session = self.draft.start(prompt_ids, sampling, spec.tree, policy, max_len, seed + 1)
-        while gen.finish_reason is None:
-            committed = self.step(target_session, draft_session, gen.stats)
-            tokens, gen.finish_reason = apply_stop_rules(committed, len(gen.output_ids), sampling, self.eos_ids)
-            gen.output_ids.extend(tokens)
-            gen.stats.generated_tokens = len(gen.output_ids)
-            if draft_session is not None:
-                gen.stats.draft_head_seconds = draft_session.head_seconds
-            if tokens:
-                yield Chunk(tokens)
+        drafter = NoDrafter() if spec.method == "ar" else drafter_factory(prompt_ids, sampling, spec, max_len, seed)
+        try:
+            while gen.finish_reason is None:
+                committed = self.step(target_session, drafter, gen.stats)
+                tokens, gen.finish_reason = apply_stop_rules(committed, len(gen.output_ids), sampling, self.eos_ids)
+                gen.output_ids.extend(tokens)
+                gen.stats.generated_tokens = len(gen.output_ids)
+                if tokens:
+                    yield Chunk(tokens)
+        finally:
+            drafter.close()
 
-    def step(self, target_session: TargetSession, draft_session: DraftSession | None, stats: SpecStats) -> list[int]:
-        """One round: draft a tree (if any), verify it, commit on both sides. Returns the committed tokens."""
+    def step(self, target_session: TargetSession, drafter: Drafter, stats: SpecStats) -> list[int]:
+        """One round: draft a tree (empty for ar), verify it, commit on both sides. Returns the committed tokens."""
         t0 = time.perf_counter()
-        tree = self.draft.propose(draft_session) if draft_session is not None else DraftTree.empty()
+        tree = drafter.propose()
         t1 = time.perf_counter()
         verified = self.target.verify(target_session, tree)
         t2 = time.perf_counter()
-        if draft_session is not None:
-            self.draft.commit(draft_session, verified.result)
-            self.observe_vocab(draft_session, verified, stats)
+        drafter.observe(verified, stats)
         stats.draft_seconds += t1 - t0
         stats.verify_seconds += t2 - t1
         stats.record_step(tree.size, len(verified.result.accepted_nodes))
         return verified.result.committed_tokens
-
-    @staticmethod
-    def observe_vocab(draft_session: DraftSession, verified: VerifiedStep, stats: SpecStats) -> None:
-        """Count misses (target token ∉ A) and let the session vocabulary update between steps."""
-        vocab = draft_session.vocab
-        if not vocab.restricted:
-            return
-        start = time.perf_counter()
-        committed = verified.result.committed_tokens
-        feedback = None
-        if vocab.wants_target_feedback:
-            feedback = target_feedback(verified.target_logits, committed, vocab.in_active())
-            stats.misses += feedback.misses
-        else:
-            in_active = vocab.in_active()
-            stats.misses += sum(1 for t in committed if not in_active[t])
-        stats.verified_positions += len(committed)
-        changes = vocab.observe(verified.result, feedback)
-        stats.buffer_updates += sum(1 for c in changes if c.token_id >= 0)
-        stats.buffer_update_seconds += time.perf_counter() - start

@@ -16,7 +16,8 @@ def expand_compact(src: Path, folder: Path, config: dict) -> None:
     compact = load_file(str(src))
     seen_ids = compact.pop("seen_token_ids").long()
     embed = compact.pop("model.embed_tokens.weight").float()
-    full = torch.zeros(config["vocab_size"], embed.shape[1])  # never-seen rows: exactly zero (logit 0)
+    unseen_row = compact.pop("unseen_row").float()
+    full = unseen_row.expand(config["vocab_size"], -1).clone()  # never-seen rows: the shared learned row
     full[seen_ids] = embed
     state = {"model.embed_tokens.weight": full, **{k: v.float() for k, v in compact.items()}}
     folder.parent.mkdir(parents=True, exist_ok=True)

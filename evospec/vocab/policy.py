@@ -94,14 +94,21 @@ class EvoSpecPolicy:
         vocab = head_weight.shape[0]
         in_static = torch.zeros(vocab, dtype=torch.bool)
         in_static[static_ids.cpu()] = True
-        has_row = head_weight.detach().float().norm(dim=-1).cpu() > 0  # never-trained (zero) rows are no candidates
-        self.long_tail = ~in_static & has_row  # [V]
+        self.long_tail = ~in_static & trained_rows(head_weight)  # [V]
         self.index = ExactEmbeddingIndex(head_weight.detach().cpu(), self.long_tail.nonzero()[:, 0]) \
             if settings.use_semantic else None
         self.cooc = cooc
 
     def new_session(self, prompt_ids: list[int]) -> "EvoSessionVocab":
         return EvoSessionVocab(self, prompt_ids)
+
+
+def trained_rows(head_weight: torch.Tensor) -> torch.Tensor:
+    """[V] bool: rows that differ from the last row. Qwen3 pads its vocabulary (151,669 tokens, 151,936 rows) and
+    untrained rows share one value (zero, or the tiny pair's shared `unseen_row`), so rows identical to the last
+    padding row are untrained and never useful buffer candidates."""
+    w = head_weight.detach()
+    return (w != w[-1]).any(dim=-1).cpu()
 
 
 class EvoSessionVocab:

@@ -120,8 +120,11 @@ class TargetFeedback:
 
 
 def target_feedback(target_logits: torch.Tensor, committed: list[int], in_active: torch.Tensor,
-                    top_m: int = 4, min_prob: float = 0.02) -> TargetFeedback:
-    """target_logits: [m, V] rows at the verified positions; committed: the m tokens committed there."""
+                    with_candidates: bool = True, top_m: int = 4, min_prob: float = 0.02) -> TargetFeedback:
+    """target_logits: [m, V] rows at the verified positions; committed: the m tokens committed there.
+    with_candidates=False only counts misses (no softmax over the vocabulary: what frspec needs for its stats)."""
+    if not with_candidates:
+        return TargetFeedback(sum(1 for t in committed if not in_active[t]), len(committed), {})
     probs = target_logits.float().softmax(-1)  # [m, V]
     outside = probs.masked_fill(in_active, 0.0)
     top = outside.topk(top_m, dim=-1)
