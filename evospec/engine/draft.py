@@ -24,6 +24,7 @@ from evospec.sampling import logits_to_probs, sample_without_replacement
 from evospec.tree import DraftTree
 from evospec.verify import VerifyResult
 from evospec.vocab.policy import SessionVocab, VocabPolicy
+from evospec.vocab.retrieval import TargetFeedback
 from kernels.tree import chain_then_tree_mask
 
 
@@ -167,8 +168,13 @@ class DraftEngine:
         return DraftTree(torch.tensor([nodes[i].token for i in keep], dtype=torch.long),
                          torch.tensor(parents, dtype=torch.long), probs, active_ids if probs else None)
 
+    def advance(self, session: DraftSession, result: VerifyResult, feedback: TargetFeedback | None) -> list:
+        """Between steps: commit the verified step, then let the session vocabulary update (-> its slot changes)."""
+        self.commit(session, result)
+        return session.vocab.observe(result, feedback if session.vocab.wants_target_feedback else None)
+
     def commit(self, session: DraftSession, result: VerifyResult) -> None:
-        """Keep the cached part of the accepted path (compacted), append the committed tokens, feed the vocab."""
+        """Keep the cached part of the accepted path (compacted) and append the committed tokens."""
         slots = []
         for node in result.accepted_nodes:
             if node not in session.forwarded_slot:

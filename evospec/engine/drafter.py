@@ -6,6 +6,7 @@ candidates (it alone sees full-vocabulary logits) and the draft side applies buf
 """
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 from evospec.engine.draft import DraftEngine, DraftSession
@@ -52,17 +53,14 @@ class LocalDrafter:
         return self.engine.propose(self.session)
 
     def observe(self, verified: VerifiedStep, stats: SpecStats) -> None:
-        import time
-        self.engine.commit(self.session, verified.result)
         vocab = self.session.vocab
-        stats.draft_head_seconds = self.session.head_seconds
-        if not vocab.restricted:
-            return
         start = time.perf_counter()
-        fb = feedback_for(verified, vocab.in_active(), vocab.wants_target_feedback, stats)
-        changes = vocab.observe(verified.result, fb if vocab.wants_target_feedback else None)
+        fb = feedback_for(verified, vocab.in_active(), vocab.wants_target_feedback, stats) if vocab.restricted \
+            else None
+        changes = self.engine.advance(self.session, verified.result, fb)
         stats.buffer_updates += sum(1 for c in changes if c.token_id >= 0)
         stats.buffer_update_seconds += time.perf_counter() - start
+        stats.draft_head_seconds = self.session.head_seconds
 
     def close(self) -> None:
         return None

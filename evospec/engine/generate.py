@@ -108,25 +108,25 @@ class SpeculativeDecoder:
         target_session = self.target.start(prompt_ids, sampling, max_len, seed)
         drafter = NoDrafter() if spec.method == "ar" else drafter_factory(prompt_ids, sampling, spec, max_len, seed)
         try:
-            while gen.finish_reason is None:
-                committed = self.step(target_session, drafter, gen.stats)
+            while True:
+                t0 = time.perf_counter()
+                tree = drafter.propose()
+                t1 = time.perf_counter()
+                verified = self.target.verify(target_session, tree)
+                gen.stats.draft_seconds += t1 - t0
+                gen.stats.verify_seconds += time.perf_counter() - t1
+                gen.stats.record_step(tree.size, len(verified.result.accepted_nodes))
+                committed = verified.result.committed_tokens
                 tokens, gen.finish_reason = apply_stop_rules(committed, len(gen.output_ids), sampling, self.eos_ids)
                 gen.output_ids.extend(tokens)
                 gen.stats.generated_tokens = len(gen.output_ids)
+                if gen.finish_reason is None:  # feed back only when another step follows
+                    t2 = time.perf_counter()
+                    drafter.observe(verified, gen.stats)
+                    gen.stats.draft_seconds += time.perf_counter() - t2
                 if tokens:
                     yield Chunk(tokens)
+                if gen.finish_reason is not None:
+                    return
         finally:
             drafter.close()
-
-    def step(self, target_session: TargetSession, drafter: Drafter, stats: SpecStats) -> list[int]:
-        """One round: draft a tree (empty for ar), verify it, commit on both sides. Returns the committed tokens."""
-        t0 = time.perf_counter()
-        tree = drafter.propose()
-        t1 = time.perf_counter()
-        verified = self.target.verify(target_session, tree)
-        t2 = time.perf_counter()
-        drafter.observe(verified, stats)
-        stats.draft_seconds += t1 - t0
-        stats.verify_seconds += t2 - t1
-        stats.record_step(tree.size, len(verified.result.accepted_nodes))
-        return verified.result.committed_tokens

@@ -22,6 +22,7 @@ class SessionVocab(Protocol):
     active: ActiveVocab
     restricted: bool  # A is a strict subset of the vocabulary (misses are possible)
     wants_target_feedback: bool  # observe() uses the target's full-vocabulary view of verified positions
+    initial_changes: list[SlotChange]  # buffer fill from the prompt, before the first tree
 
     def in_active(self) -> torch.Tensor: ...  # [V] bool
 
@@ -39,6 +40,7 @@ class FixedSessionVocab:
         self.active = active
         self.restricted = active.size < vocab_size
         self.wants_target_feedback = False
+        self.initial_changes: list[SlotChange] = []
         self._mask = active.contains_mask(vocab_size)
 
     def in_active(self) -> torch.Tensor:
