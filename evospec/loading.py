@@ -29,14 +29,30 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
 
 
-def resolve_pair(draft_path: str | None, target_path: str | None) -> tuple[Path, Path]:
-    """Explicit folders, else the embedded tiny pair (expanded from the committed weights on first use)."""
-    if (draft_path is None) != (target_path is None):
-        raise ValueError("give both --draft and --target model folders, or neither (the embedded tiny pair)")
-    if draft_path is None:
+
+
+def load_model(path: str | None, role: str, device: str = "auto", dtype: str = "auto"):
+    """One model of the pair ("draft" or "target"): a local HF folder, or the embedded tiny one when path is None."""
+    if path is None:
         from evospec.tiny_pair import ensure_hf_folders
-        return ensure_hf_folders()
-    return Path(draft_path), Path(target_path)
+        folder = dict(zip(("draft", "target"), ensure_hf_folders()))[role]
+    else:
+        folder = Path(path)
+    dev = resolve_device(device)
+    return load_qwen3(folder, dev, resolve_dtype(dtype, dev)), folder
+
+
+def load_static_ids(path: str | Path | None) -> tuple[torch.Tensor, str]:
+    """Ranked static ids of the artifact (default: committed Spec-Bench 32k) and its content hash."""
+    import hashlib
+    path = Path(path) if path else DEFAULT_STATIC_VOCAB
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    return torch.tensor(StaticVocab.load(path).token_ids), sha
+
+
+def load_cooc(path: str | Path | None) -> CoocIndex | None:
+    path = Path(path) if path else DEFAULT_COOC
+    return CoocIndex.load(path) if path.exists() else None
 
 
 @dataclass
@@ -45,20 +61,17 @@ class LoadedPair:
     tokenizer: object
     draft_path: Path
     target_path: Path
-    static_vocab: StaticVocab | None
 
 
 def load_pair(draft_path: str | None = None, target_path: str | None = None,
-              static_vocab_path: str | Path | None = DEFAULT_STATIC_VOCAB, device: str = "auto",
-              dtype: str = "auto", max_model_len: int | None = None,
-              cooc_path: str | Path | None = DEFAULT_COOC) -> LoadedPair:
-    draft_dir, target_dir = resolve_pair(draft_path, target_path)
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
-    target = load_qwen3(target_dir, dev, dt)
-    draft = load_qwen3(draft_dir, dev, dt)
-    static = StaticVocab.load(Path(static_vocab_path)) if static_vocab_path else None
-    cooc = CoocIndex.load(cooc_path) if cooc_path and Path(cooc_path).exists() else None
-    decoder = SpeculativeDecoder(target, draft, static_ids=torch.tensor(static.token_ids) if static else None,
-                                 max_model_len=max_model_len, eos_ids=QWEN3_STOP_IDS, cooc=cooc)
-    return LoadedPair(decoder, load_tokenizer(str(target_dir)), draft_dir, target_dir, static)
+              static_vocab_path: str | Path | None = None, device: str = "auto", dtype: str = "auto",
+              max_model_len: int | None = None, cooc_path: str | Path | None = None) -> LoadedPair:
+    """Both models in this process (demo --in-process, benchmarks). Paths None = embedded defaults."""
+    if (draft_path is None) != (target_path is None):
+        raise ValueError("give both --draft and --target model folders, or neither (the embedded tiny pair)")
+    target, target_dir = load_model(target_path, "target", device, dtype)
+    draft, draft_dir = load_model(draft_path, "draft", device, dtype)
+    static_ids, _ = load_static_ids(static_vocab_path)
+    decoder = SpeculativeDecoder(target, draft, static_ids=static_ids, max_model_len=max_model_len,
+                                 eos_ids=QWEN3_STOP_IDS, cooc=load_cooc(cooc_path))
+    return LoadedPair(decoder, load_tokenizer(str(target_dir)), draft_dir, target_dir)

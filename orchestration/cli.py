@@ -48,8 +48,7 @@ def cmd_demo_in_process(args) -> int:
 
     from evospec.loading import load_pair
     from evospec.report import print_stats
-    from evospec.loading import DEFAULT_STATIC_VOCAB
-    pair = load_pair(args.draft, args.target, args.static_vocab or DEFAULT_STATIC_VOCAB, args.device, args.dtype)
+    pair = load_pair(args.draft, args.target, args.static_vocab, args.device, args.dtype)
     sampling, spec = request_from_args(args)
     prompt_ids = pair.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
                                                     add_generation_prompt=True, enable_thinking=False)
@@ -62,6 +61,82 @@ def cmd_demo_in_process(args) -> int:
     print(f"\n\n(finish: {gen.finish_reason})")
     stats = {"method": spec.method, **gen.stats.as_dict(),
              "tokens_per_second": round(gen.stats.generated_tokens / elapsed, 1)}
+    print_stats(stats)
+    return 0
+
+
+def print_stream(deltas, show_text: bool = True) -> dict:
+    """Print streamed text as it arrives; return the last message's stats (plus finish reason)."""
+    last = None
+    for delta in deltas:
+        if show_text:
+            print(delta.text, end="", flush=True)
+        last = delta
+    print(f"\n\n(finish: {last.finish_reason})")
+    return last.stats
+
+
+def client_request_kwargs(args) -> dict:
+    return dict(messages=[{"role": "user", "content": args.prompt}], max_tokens=args.max_tokens,
+                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                method=args.method, static_size=args.static_size, dynamic_size=args.dynamic_size,
+                tree=dict(shape=args.tree, num_draft_tokens=args.num_draft_tokens, depth=args.depth,
+                          branching=args.branching, budget=args.budget))
+
+
+def cmd_demo(args) -> int:
+    """Start the decoupled service locally, stream one medical answer through the SDK, print stats, shut down."""
+    if args.in_process:
+        return cmd_demo_in_process(args)
+    from client import EvoSpecClient
+    from evospec.report import print_stats
+    from orchestration.config import CONFIG_DIR, AppConfig
+    from orchestration.local import free_port, local_service
+    cfg = AppConfig.from_yaml(args.config or CONFIG_DIR / "cpu-tiny.yaml")
+    cfg = cfg.model_copy(update={"grpc_port": free_port(), "http_port": free_port()})
+    print(f"starting Ray Serve app '{cfg.app_name}': Draft and Target deployments (gRPC stream between them)...",
+          flush=True)
+    with local_service(cfg) as address, EvoSpecClient(address) as client:
+        info = client.wait_ready()
+        print(f"service up on {address}: target={info.get('target_model')} draft={info.get('draft_model')}\n")
+        print(f"[{args.method}] {args.prompt}\n")
+        stats = print_stream(client.stream(**client_request_kwargs(args)))
+        stats["tokens_per_second"] = round(stats.get("generated_tokens", 0) / max(stats.get("e2e_seconds", 1e-9),
+                                                                                 1e-9), 1)
+        print_stats(stats, title="speculative decoding (decoupled, via Ray Serve + gRPC)")
+    print("service shut down.")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    import signal
+    import threading
+    from orchestration.config import CONFIG_DIR, AppConfig
+    from orchestration.local import local_service
+    cfg = AppConfig.from_yaml(args.config or CONFIG_DIR / "cpu-tiny.yaml")
+    if args.grpc_port:
+        cfg = cfg.model_copy(update={"grpc_port": args.grpc_port})
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with local_service(cfg) as address:
+        print(f"EvoSpec Serve listening on {address} (gRPC, service evospec.v1.Generate). Ctrl-C to stop.", flush=True)
+        try:
+            stop.wait()
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from client import EvoSpecClient
+    from client.errors import EvoSpecClientError
+    from evospec.report import print_stats
+    with EvoSpecClient(args.server, timeout=args.timeout) as client:
+        try:
+            stats = print_stream(client.stream(**client_request_kwargs(args)))
+        except EvoSpecClientError as e:
+            print(f"error: {e.code.name}: {e.details}", file=sys.stderr)
+            return 2
     print_stats(stats)
     return 0
 
@@ -102,7 +177,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(demo)
     add_request_args(demo)
     demo.add_argument("--in-process", action="store_true", help="no Ray Serve: run draft and target in this process")
-    demo.set_defaults(func=cmd_demo_in_process)
+    demo.add_argument("--config", help="service YAML (default orchestration/configs/cpu-tiny.yaml)")
+    demo.set_defaults(func=cmd_demo)
+
+    serve_p = sub.add_parser("serve", help="run the decoupled service on a local Ray cluster until Ctrl-C")
+    serve_p.add_argument("--config", help="service YAML (default orchestration/configs/cpu-tiny.yaml)")
+    serve_p.add_argument("--grpc-port", type=int)
+    serve_p.set_defaults(func=cmd_serve)
+
+    gen = sub.add_parser("generate", help="stream one answer from a running service (SDK client)")
+    gen.add_argument("--server", default="127.0.0.1:9000")
+    gen.add_argument("--timeout", type=float, default=120.0)
+    add_request_args(gen)
+    gen.set_defaults(func=cmd_generate)
 
     vocab = sub.add_parser("vocab", help="static (FR-Spec) vocabulary artifacts")
     vsub = vocab.add_subparsers(dest="vocab_cmd", required=True)
@@ -130,6 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("suite", choices=["v1", "grid", "random"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=lambda a: __import__(f"bench.{a.suite}", fromlist=["main"]).main(a.rest) or 0)
+
+    lt = sub.add_parser("loadtest", help="async load generator against a running service (vllm bench serve style)")
+    lt.add_argument("rest", nargs=argparse.REMAINDER)
+    lt.set_defaults(func=lambda a: __import__("loadtest.run", fromlist=["main"]).main(a.rest))
+    sw = sub.add_parser("loadtest-sweep", help="methods x concurrency sweep (starts a local service by default)")
+    sw.add_argument("rest", nargs=argparse.REMAINDER)
+    sw.set_defaults(func=lambda a: __import__("loadtest.sweep", fromlist=["main"]).main(a.rest))
 
     train = sub.add_parser("train-tiny", help="retrain the embedded tiny Qwen3 pair (~15 CPU-minutes)")
     train.add_argument("rest", nargs=argparse.REMAINDER)

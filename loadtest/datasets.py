@@ -1,0 +1,41 @@
+"""Load-test prompt datasets: medical (PubMedQA questions), Spec-Bench, or your own JSONL ({"prompt": ...} or
+{"messages": [...]}, optional "max_tokens"). Output lengths: fixed, or sampled uniformly in a range."""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    messages: list[dict]
+    max_tokens: int
+
+
+def load_prompts(dataset: str, num_prompts: int, seed: int, path: str | None = None) -> list[list[dict]]:
+    if dataset == "medical":
+        from evospec.tiny_pair.corpus import pubmedqa_items
+        items = [[{"role": "user", "content": it["question"]}] for it in pubmedqa_items()]
+    elif dataset == "spec-bench":
+        from evospec.tiny_pair.corpus import spec_bench_prompts
+        items = [[{"role": "user", "content": r["prompt"]}] for r in spec_bench_prompts()]
+    elif dataset == "jsonl":
+        if not path:
+            raise ValueError("--dataset jsonl needs --dataset-path")
+        items = []
+        for line in Path(path).read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                items.append(row.get("messages") or [{"role": "user", "content": row["prompt"]}])
+    else:
+        raise ValueError(f"unknown dataset {dataset!r}: medical, spec-bench or jsonl")
+    rng = random.Random(seed)
+    return [items[rng.randrange(len(items))] for _ in range(num_prompts)]
+
+
+def build_requests(prompts: list[list[dict]], output_len: int, output_len_range: tuple[int, int] | None,
+                   seed: int) -> list[LoadRequest]:
+    rng = random.Random(seed + 1)
+    return [LoadRequest(p, rng.randint(*output_len_range) if output_len_range else output_len) for p in prompts]

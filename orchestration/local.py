@@ -1,0 +1,86 @@
+"""Start the decoupled service on a private local Ray cluster (demo, `evospec serve`, tests) and tear it down.
+
+Choices: a per-process Ray temp dir (never the shared /tmp/ray session), no dashboard, no log forwarding, a small
+object store, loopback addresses (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before `import ray`), logical GPUs when no
+CUDA device exists so the production `num_gpus: 1` graph schedules unchanged. Shutdown is `serve.shutdown()` +
+`ray.shutdown()`; never `ray stop`, which kills every Ray process on the machine.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+
+from orchestration.config import AppConfig
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare_environment() -> None:
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.pop("RAY_ADDRESS", None)
+
+
+@contextlib.contextmanager
+def local_ray(num_cpus: int = 4) -> Iterator[None]:
+    prepare_environment()
+    import ray
+    import torch
+    tmp = tempfile.mkdtemp(prefix="rt-", dir="/tmp")  # short: unix socket paths must stay < 107 bytes
+    gpus = torch.cuda.device_count() or 2  # logical GPUs on a CPU machine
+    ray.init(address="local", num_cpus=num_cpus, num_gpus=gpus, include_dashboard=False, log_to_driver=False,
+             object_store_memory=256 * 1024**2, _temp_dir=tmp, configure_logging=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def serve_app(cfg: AppConfig, deploy_timeout_s: float = 300.0) -> Iterator[str]:
+    """Deploy on the current Ray cluster; yields the gRPC address. Deletes the app and stops Serve on exit."""
+    from ray import serve
+    from ray.serve.config import HTTPOptions, gRPCOptions
+    from ray.serve.schema import LoggingConfig
+
+    from orchestration.app import GRPC_SERVICER_FUNCTIONS, build_app
+    grpc_port = cfg.grpc_port or free_port()
+    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=cfg.http_port or free_port()),
+                grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS))
+    try:
+        serve.run(build_app(cfg), name=cfg.app_name, blocking=False,
+                  logging_config=LoggingConfig(enable_access_log=False, log_level="WARNING"))
+        wait_running(cfg.app_name, deploy_timeout_s)
+        yield f"127.0.0.1:{grpc_port}"
+    finally:
+        serve.shutdown()
+
+
+def wait_running(app_name: str, timeout_s: float) -> None:
+    """serve.run would wait forever on an unschedulable replica: poll the status with a deadline instead."""
+    from ray import serve
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        app = serve.status().applications.get(app_name)
+        if app is not None and app.status == "RUNNING":
+            return
+        if app is not None and app.status in ("DEPLOY_FAILED", "UNHEALTHY"):
+            raise RuntimeError(f"application {app_name} {app.status}: {app.message}")
+        time.sleep(0.25)
+    raise TimeoutError(f"application {app_name} not RUNNING after {timeout_s:.0f}s (unschedulable resources?)")
+
+
+@contextlib.contextmanager
+def local_service(cfg: AppConfig, num_cpus: int = 4) -> Iterator[str]:
+    with local_ray(num_cpus), serve_app(cfg) as address:
+        yield address

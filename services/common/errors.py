@@ -1,0 +1,27 @@
+"""One mapping from our exceptions to gRPC status codes, for plain grpc servers and for Serve deployments."""
+from __future__ import annotations
+
+import grpc
+
+from evospec.errors import InvalidRequestError, OverloadedError, SessionNotFoundError
+
+STATUS_OF = {InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
+             OverloadedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+             SessionNotFoundError: grpc.StatusCode.NOT_FOUND,
+             TimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    for cls, code in STATUS_OF.items():
+        if isinstance(exc, cls):
+            return code
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return exc.code()  # an internal call failed: pass its status through (e.g. UNAVAILABLE draft)
+    return grpc.StatusCode.INTERNAL
+
+
+def set_status(context, exc: BaseException) -> None:
+    """Set code and details on a grpc (or Serve gRPC) context before re-raising."""
+    context.set_code(status_for(exc))
+    detail = exc.details() if isinstance(exc, grpc.RpcError) and hasattr(exc, "details") else str(exc)
+    context.set_details(f"{type(exc).__name__}: {detail}")

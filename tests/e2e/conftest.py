@@ -1,0 +1,31 @@
+"""One real local Ray Serve deployment of the decoupled service for the whole e2e session.
+
+Draft and Target each ask for num_gpus: 1; the local cluster has 2 logical GPUs, so the production placement is
+exercised on CPU. Ray lives in a private temp dir and is shut down with ray.shutdown() (never `ray stop`).
+"""
+import pytest
+
+from orchestration.config import CONFIG_DIR, AppConfig
+from orchestration.local import free_port, local_ray, serve_app
+
+
+@pytest.fixture(scope="session")
+def service():
+    cfg = AppConfig.from_yaml(CONFIG_DIR / "cpu-tiny.yaml")
+    cfg = cfg.model_copy(update={"grpc_port": free_port(), "http_port": free_port(), "max_concurrent_generations": 8})
+    with local_ray(num_cpus=4), serve_app(cfg) as address:
+        yield address, cfg
+
+
+@pytest.fixture(scope="session")
+def client(service):
+    from client import EvoSpecClient
+    with EvoSpecClient(service[0], timeout=120) as c:
+        c.wait_ready(timeout=120)
+        yield c
+
+
+@pytest.fixture(scope="session")
+def in_process():
+    from evospec.loading import load_pair
+    return load_pair()
