@@ -14,6 +14,7 @@ from bench.harness import Arm, run_side_by_side, write_results
 from bench.prompts import PROMPT_SETS
 from evospec.config import SamplingParams, SpecParams, TreeParams
 from evospec.loading import QWEN3_STOP_IDS, load_pair
+from evospec.tokenizer import chat_prompt_ids
 
 
 def hf_assisted_arm(draft_dir: Path, target_dir: Path) -> Arm:
@@ -37,8 +38,7 @@ def hf_assisted_arm(draft_dir: Path, target_dir: Path) -> Arm:
 
 
 def tokenize_sets(tokenizer, names: list[str], n: int) -> dict[str, list[list[int]]]:
-    return {name: [list(tokenizer.apply_chat_template(conv, add_generation_prompt=True, enable_thinking=False))
-                   for conv in PROMPT_SETS[name](n)] for name in names}
+    return {name: [chat_prompt_ids(tokenizer, conv) for conv in PROMPT_SETS[name](n)] for name in names}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -35,3 +35,10 @@ def chat_special_token_ids(tokenizer) -> list[int]:
     names = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>"]
     ids = [tokenizer.convert_tokens_to_ids(n) for n in names]
     return sorted({i for i in ids if i is not None and i >= 0} | {tokenizer.eos_token_id})
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict], enable_thinking: bool = False) -> list[int]:
+    """Token ids of a chat with the Qwen3 template and the assistant turn opened (no BatchEncoding surprises)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=enable_thinking)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -50,8 +50,8 @@ def cmd_demo_in_process(args) -> int:
     from evospec.report import print_stats
     pair = load_pair(args.draft, args.target, args.static_vocab, args.device, args.dtype)
     sampling, spec = request_from_args(args)
-    prompt_ids = pair.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
-                                                    add_generation_prompt=True, enable_thinking=False)
+    from evospec.tokenizer import chat_prompt_ids
+    prompt_ids = chat_prompt_ids(pair.tokenizer, [{"role": "user", "content": args.prompt}])
     print(f"[{spec.method}] {args.prompt}\n")
     start = time.perf_counter()
     gen = pair.decoder.generate(list(prompt_ids), sampling, spec)

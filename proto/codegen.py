@@ -31,6 +31,8 @@ def main() -> int:
     for path in (OUT / "evospec" / "v1").glob("*_pb2*.py*"):
         text = path.read_text()
         fixed = re.sub(r"^from evospec\.v1 import", "from evospec.api.evospec.v1 import", text, flags=re.M)
+        # message classes carry this module path (pickling them, as Ray Serve does, imports it)
+        fixed = re.sub(r"'evospec\.v1\.(\w+_pb2)'", r"'evospec.api.evospec.v1.\1'", fixed)
         path.write_text(fixed)
     return 0
 

@@ -10,7 +10,7 @@ stamp=.venv/.installed-$(sha1sum pyproject.toml | cut -c1-12)
 if [ ! -f "$stamp" ]; then
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q torch==2.13.0
-  .venv/bin/pip install -q -e ".[dev]"
+  .venv/bin/pip install -q -e ".[dev,train]"
   touch "$stamp"
 fi
 .venv/bin/python proto/codegen.py

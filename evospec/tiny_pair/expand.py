@@ -16,7 +16,7 @@ def expand_compact(src: Path, folder: Path, config: dict) -> None:
     compact = load_file(str(src))
     seen_ids = compact.pop("seen_token_ids").long()
     embed = compact.pop("model.embed_tokens.weight").float()
-    unseen_row = compact.pop("unseen_row").float()
+    unseen_row = compact.pop("unseen_row", torch.zeros(embed.shape[1])).float()
     full = unseen_row.expand(config["vocab_size"], -1).clone()  # never-seen rows: the shared learned row
     full[seen_ids] = embed
     state = {"model.embed_tokens.weight": full, **{k: v.float() for k, v in compact.items()}}

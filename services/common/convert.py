@@ -8,6 +8,7 @@ from evospec.api.evospec.v1 import speculation_pb2 as spec_pb
 from evospec.config import SamplingParams, SpecParams, TreeParams, VocabParams, validated
 from evospec.engine.stats import SpecStats
 from evospec.errors import InvalidRequestError
+from evospec.tokenizer import chat_prompt_ids
 from evospec.tree import DraftTree
 from evospec.verify import VerifyResult
 from evospec.vocab.dynamic import SlotChange
@@ -80,8 +81,7 @@ def prompt_ids_from_request(req: gen_pb.GenerateRequest, tokenizer) -> list[int]
     bad = [m["role"] for m in messages if m["role"] not in ("system", "user", "assistant")]
     if bad:
         raise InvalidRequestError("chat.messages.role", f"must be system, user or assistant; got {bad[0]!r}")
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                              enable_thinking=req.chat.enable_thinking))
+    return chat_prompt_ids(tokenizer, messages, req.chat.enable_thinking)
 
 
 def stats_to_proto(stats: SpecStats, method: str, ttft: float, e2e: float) -> gen_pb.SpecStats:

@@ -20,6 +20,7 @@ from evospec.tokenizer import load_tokenizer
 from orchestration.config import AppConfig
 from services.common.convert import prompt_ids_from_request, sampling_from_proto, spec_from_proto, stats_to_proto
 from services.common.errors import set_status
+from services.common.metrics import ServiceMetrics
 from services.target.remote_draft import RemoteDrafter
 from services.target.threaded import iterate_in_thread
 
@@ -41,6 +42,7 @@ class TargetDeployment:
         self.draft_handle = draft
         self._channel: grpc.Channel | None = None
         self.active: dict[str, float] = {}  # request id -> start time
+        self.metrics = ServiceMetrics()
 
     async def _draft_channel(self) -> grpc.Channel:
         if self._channel is None:
@@ -82,7 +84,10 @@ class TargetDeployment:
                 ttft = ttft if ttft is not None else time.perf_counter() - start
                 yield gen_pb.GenerateResponse(request_id=request_id, token_ids=chunk.token_ids,
                                               text=self.tokenizer.decode(chunk.token_ids))
-            stats = stats_to_proto(gen.stats, spec.method, ttft or 0.0, time.perf_counter() - start)
+            e2e = time.perf_counter() - start
+            stats = stats_to_proto(gen.stats, spec.method, ttft or 0.0, e2e)
+            self.metrics.record(gen.stats, spec.method, ttft or 0.0, e2e, gen.finish_reason or "",
+                                spec.vocab.dynamic_size)
             yield gen_pb.GenerateResponse(request_id=request_id, finish_reason=gen.finish_reason or "", stats=stats)
         except Exception as exc:
             if grpc_context is not None:

@@ -12,7 +12,7 @@ from orchestration.local import free_port, local_ray, serve_app
 @pytest.fixture(scope="session")
 def service():
     cfg = AppConfig.from_yaml(CONFIG_DIR / "cpu-tiny.yaml")
-    cfg = cfg.model_copy(update={"grpc_port": free_port(), "http_port": free_port(), "max_concurrent_generations": 8})
+    cfg = cfg.model_copy(update={"grpc_port": free_port(), "http_port": free_port(), "max_concurrent_generations": 64})
     with local_ray(num_cpus=4), serve_app(cfg) as address:
         yield address, cfg
 

@@ -7,6 +7,7 @@ import pytest
 
 from client import InvalidArgument
 from evospec.config import SamplingParams, SpecParams
+from evospec.tokenizer import chat_prompt_ids
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -15,7 +16,7 @@ MESSAGES = [{"role": "user", "content": QUESTION}]
 
 
 def reference(in_process, max_tokens, messages=MESSAGES):
-    prompt = in_process.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False)
+    prompt = chat_prompt_ids(in_process.tokenizer, messages)
     gen = in_process.decoder.generate(list(prompt), SamplingParams(max_tokens=max_tokens), SpecParams(method="ar"))
     list(gen)
     return gen.output_ids
@@ -34,6 +35,20 @@ def test_greedy_through_service_equals_in_process_ar(client, in_process, method,
     if method != "ar":
         assert stats["steps"] < len(expected)  # speculation accepted something
         assert stats["tau"] > 1.0
+
+
+@pytest.mark.parametrize("method", ["frspec", "evospec"])
+def test_decoupled_stats_equal_in_process_stats(client, in_process, method):
+    """Same greedy run in process and through the service: identical steps, acceptance, misses, buffer updates
+    (the remote protocol carries the same information as the local loop)."""
+    prompt = chat_prompt_ids(in_process.tokenizer, MESSAGES)
+    spec = SpecParams(method=method, vocab={"static_size": 8192, "dynamic_size": 256})
+    gen = in_process.decoder.generate(prompt, SamplingParams(max_tokens=40), spec)
+    list(gen)
+    out = client.generate(messages=MESSAGES, max_tokens=40, method=method, static_size=8192, dynamic_size=256)
+    local = gen.stats.as_dict()
+    for key in ("steps", "drafted", "accepted", "accepted_per_pos", "misses", "buffer_updates"):
+        assert out.stats.get(key, 0 if key != "accepted_per_pos" else []) == local[key], key
 
 
 def test_streaming_deltas_and_unary(client, in_process):

@@ -73,3 +73,14 @@ def test_method_without_draft_model():
     target, _ = random_pair(vocab=64, seed=0)
     with pytest.raises(InvalidRequestError, match="needs a draft model"):
         SpeculativeDecoder(target).generate([1, 2], SamplingParams(max_tokens=4), SpecParams(method="sd"))
+
+
+def test_status_codes_mapping():
+    import grpc
+
+    from evospec.errors import OverloadedError
+    from services.common.errors import status_for
+    assert status_for(InvalidRequestError("x", "y")) == grpc.StatusCode.INVALID_ARGUMENT
+    assert status_for(OverloadedError("busy")) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert status_for(TimeoutError()) == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert status_for(RuntimeError()) == grpc.StatusCode.INTERNAL

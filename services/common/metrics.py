@@ -1,0 +1,86 @@
+"""Prometheus metrics through Ray's metrics API (exported by Ray's metrics agent; Ray prefixes names with `ray_`).
+
+vLLM-compatible names and meanings for speculative decoding and latency, plus EvoSpec's own. See docs/metrics.md
+for each metric with a PromQL example.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from evospec.engine.stats import SpecStats
+
+LATENCY_BUCKETS_S = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0]
+STEP_BUCKETS_S = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25]
+
+
+def ray_backend():
+    from ray.util import metrics
+    return metrics.Counter, metrics.Histogram, metrics.Gauge
+
+
+class ServiceMetrics:
+    """One instance per target replica. `record(stats, ...)` once per finished generation."""
+
+    def __init__(self, backend: Callable[[], tuple] = ray_backend):
+        Counter, Histogram, Gauge = backend()
+        tags = ("method",)
+        self.num_drafts = Counter("spec_decode_num_drafts", description="Draft trees verified (one per step).",
+                                  tag_keys=tags)
+        self.num_draft_tokens = Counter("spec_decode_num_draft_tokens", description="Draft tokens (tree nodes) sent.",
+                                        tag_keys=tags)
+        self.num_accepted_tokens = Counter("spec_decode_num_accepted_tokens",
+                                           description="Draft tokens accepted by the target.", tag_keys=tags)
+        self.accepted_per_pos = Counter("spec_decode_num_accepted_tokens_per_pos",
+                                        description="Accepted draft tokens by position (tree depth, 0-based).",
+                                        tag_keys=(*tags, "position"))
+        self.ttft = Histogram("time_to_first_token_seconds", description="Time to first token.",
+                              boundaries=LATENCY_BUCKETS_S, tag_keys=tags)
+        self.tpot = Histogram("time_per_output_token_seconds", description="Time per output token after the first.",
+                              boundaries=LATENCY_BUCKETS_S, tag_keys=tags)
+        self.e2e = Histogram("e2e_request_latency_seconds", description="End-to-end request latency.",
+                             boundaries=LATENCY_BUCKETS_S, tag_keys=tags)
+        self.draft_step = Histogram("evospec_draft_step_seconds", description="Mean draft time per step of a request "
+                                    "(tree + transport).", boundaries=STEP_BUCKETS_S, tag_keys=tags)
+        self.verify_step = Histogram("evospec_verify_step_seconds", description="Mean target verify time per step.",
+                                     boundaries=STEP_BUCKETS_S, tag_keys=tags)
+        self.misses = Counter("evospec_draft_vocab_misses", description="Verified target tokens outside the draft's "
+                              "active vocabulary A.", tag_keys=tags)
+        self.verified_positions = Counter("evospec_verified_positions", description="Verified positions (denominator "
+                                          "of the miss rate).", tag_keys=tags)
+        self.buffer_updates = Counter("evospec_dynamic_buffer_updates", description="Token ids added to dynamic "
+                                      "buffers.", tag_keys=tags)
+        self.buffer_size = Gauge("evospec_dynamic_buffer_size", description="Dynamic buffer capacity (Dyna) of the "
+                                 "last evospec request.", tag_keys=tags)
+        self.generated_tokens = Counter("generation_tokens", description="Generated tokens.", tag_keys=tags)
+        self.requests = Counter("request_success", description="Finished requests by finish reason.",
+                                tag_keys=(*tags, "finished_reason"))
+
+    def record(self, stats: SpecStats, method: str, ttft_s: float, e2e_s: float, finish_reason: str,
+               dynamic_size: int = 0) -> None:
+        t = {"method": method}
+        if stats.drafted:
+            self.num_drafts.inc(stats.steps, t)
+            self.num_draft_tokens.inc(stats.drafted, t)
+            if stats.accepted:
+                self.num_accepted_tokens.inc(stats.accepted, t)
+            for pos, n in enumerate(stats.accepted_per_pos):
+                if n:
+                    self.accepted_per_pos.inc(n, {**t, "position": str(pos)})
+        self.ttft.observe(ttft_s, t)
+        if stats.generated_tokens > 1:
+            self.tpot.observe((e2e_s - ttft_s) / (stats.generated_tokens - 1), t)
+        self.e2e.observe(e2e_s, t)
+        if stats.steps:
+            self.draft_step.observe(stats.draft_seconds / stats.steps, t)
+            self.verify_step.observe(stats.verify_seconds / stats.steps, t)
+        if stats.verified_positions:
+            self.verified_positions.inc(stats.verified_positions, t)
+            if stats.misses:
+                self.misses.inc(stats.misses, t)
+        if stats.buffer_updates:
+            self.buffer_updates.inc(stats.buffer_updates, t)
+        if method == "evospec":
+            self.buffer_size.set(dynamic_size, t)
+        if stats.generated_tokens:
+            self.generated_tokens.inc(stats.generated_tokens, t)
+        self.requests.inc(1, {**t, "finished_reason": finish_reason})
