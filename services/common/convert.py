@@ -95,7 +95,7 @@ def stats_to_proto(stats: SpecStats, method: str, ttft: float, e2e: float) -> ge
 
 # ---- internal protocol ----
 
-def tree_to_proto(tree: DraftTree, changes: list[SlotChange], slot_of_row: bool = True) -> spec_pb.DraftToTarget:
+def tree_to_proto(tree: DraftTree, changes: list[SlotChange]) -> spec_pb.DraftToTarget:
     msg = spec_pb.DraftToTarget(token_ids=tree.token_ids.tolist(), parents=tree.parents.tolist(),
                                 buffer_changes=[spec_pb.SlotChange(slot=c.slot, token_id=c.token_id) for c in changes])
     for node, probs in tree.draft_probs.items():
