@@ -14,6 +14,9 @@ class InvalidRequestError(EvoSpecError, ValueError):
         self.field = field
         self.message = message
 
+    def __reduce__(self):  # picklable (Ray ships exceptions between processes)
+        return type(self), (self.field, self.message)
+
 
 class OverloadedError(EvoSpecError):
     """Too many concurrent generations (-> RESOURCE_EXHAUSTED)."""

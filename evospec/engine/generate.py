@@ -78,10 +78,12 @@ class SpeculativeDecoder:
         if len(prompt_ids) + sampling.max_tokens > self.max_model_len:
             raise InvalidRequestError("max_tokens", f"prompt ({len(prompt_ids)}) + max_tokens ({sampling.max_tokens}) "
                                                     f"exceeds the context length {self.max_model_len}")
-        if spec.method != "ar" and not remote_draft:
-            if self.draft is None:
-                raise InvalidRequestError("spec.method", f"'{spec.method}' needs a draft model; this server has none")
-            self.policies.get(spec)  # builds (once) or raises InvalidRequestError for an impossible vocabulary
+        if spec.method != "ar":
+            self.policies.check(spec)
+            if not remote_draft:
+                if self.draft is None:
+                    raise InvalidRequestError("spec.method", f"'{spec.method}' needs a draft model; this server has none")
+                self.policies.get(spec)  # built once per server and method, before the first request needs it
 
     def generate(self, prompt_ids: list[int], sampling: SamplingParams, spec: SpecParams,
                  drafter_factory: Callable[[list[int], SamplingParams, SpecParams, int, int], Drafter] | None = None

@@ -28,6 +28,12 @@ class VocabPolicies:
                                       f"{k} exceeds the {self.static_ids.shape[0]} ids of the loaded static vocabulary")
         return self.static_ids[:k]
 
+    def check(self, spec: SpecParams) -> None:
+        """Raise InvalidRequestError if `spec` cannot be served, without building anything (the target validates
+        requests whose draft runs in another process)."""
+        if spec.method in ("frspec", "evospec"):
+            self._static_prefix(spec.vocab.static_size)
+
     def get(self, spec: SpecParams) -> VocabPolicy:
         key = (spec.method, spec.vocab.static_size, spec.vocab.dynamic_size, spec.vocab.retrieval)
         if key not in self._cache:

@@ -41,7 +41,7 @@ class StatisticalRetriever:
 
     def candidates(self, k: int) -> dict[int, float]:
         scores = self.counts * self.long_tail  # [V]
-        top = scores.topk(k)
+        top = scores.topk(min(k, scores.shape[0]))
         return {int(i): float(s) for i, s in zip(top.indices, top.values) if s > 0}
 
 

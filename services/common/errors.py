@@ -15,13 +15,13 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     for cls, code in STATUS_OF.items():
         if isinstance(exc, cls):
             return code
-    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
-        return exc.code()  # an internal call failed: pass its status through (e.g. UNAVAILABLE draft)
+    code_name = getattr(exc, "code_name", None)  # an internal call failed: pass its status through
+    if code_name is not None:
+        return grpc.StatusCode[code_name]
     return grpc.StatusCode.INTERNAL
 
 
 def set_status(context, exc: BaseException) -> None:
     """Set code and details on a grpc (or Serve gRPC) context before re-raising."""
     context.set_code(status_for(exc))
-    detail = exc.details() if isinstance(exc, grpc.RpcError) and hasattr(exc, "details") else str(exc)
-    context.set_details(f"{type(exc).__name__}: {detail}")
+    context.set_details(f"{type(exc).__name__}: {exc}")

@@ -48,7 +48,14 @@ class ActiveSetMirror:
 
 
 class DraftStreamError(EvoSpecError):
-    pass
+    """The draft side of the stream failed; carries its gRPC status name (picklable, unlike grpc.RpcError)."""
+
+    def __init__(self, message: str, code_name: str = "INTERNAL"):
+        super().__init__(message)
+        self.code_name = code_name
+
+    def __reduce__(self):
+        return type(self), (str(self), self.code_name)
 
 
 class RemoteDrafter:
@@ -72,7 +79,10 @@ class RemoteDrafter:
                                    f"({self._first_sha} vs {static_vocab_sha})")
 
     def _receive(self) -> DraftTree:
-        msg = next(self._call)  # raises grpc.RpcError on draft failure / deadline
+        try:
+            msg = next(self._call)
+        except grpc.RpcError as err:  # draft failure, deadline, cancellation
+            raise DraftStreamError(f"draft: {err.details()}", err.code().name) from None
         self._first_sha = getattr(self, "_first_sha", None) or msg.static_vocab_sha
         self.mirror.apply(msg.buffer_changes)  # applied by the draft before it drafted this tree
         self._changes = len([c for c in msg.buffer_changes if c.token_id >= 0])

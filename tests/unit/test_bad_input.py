@@ -84,3 +84,20 @@ def test_status_codes_mapping():
     assert status_for(OverloadedError("busy")) == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert status_for(TimeoutError()) == grpc.StatusCode.DEADLINE_EXCEEDED
     assert status_for(RuntimeError()) == grpc.StatusCode.INTERNAL
+
+
+def test_invalid_request_error_pickles():
+    import pickle
+    e = pickle.loads(pickle.dumps(InvalidRequestError("sampling.top_p", "must be <= 1")))
+    assert (e.field, e.message, str(e)) == ("sampling.top_p", "must be <= 1", "sampling.top_p: must be <= 1")
+
+
+def test_draft_stream_errors_keep_their_status():
+    import pickle
+
+    import grpc
+
+    from services.common.errors import status_for
+    from services.target.remote_draft import DraftStreamError
+    err = pickle.loads(pickle.dumps(DraftStreamError("draft: gone", "UNAVAILABLE")))
+    assert status_for(err) == grpc.StatusCode.UNAVAILABLE and str(err) == "draft: gone"
