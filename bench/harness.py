@@ -67,6 +67,8 @@ def run_arm(decoder: SpeculativeDecoder, arm: Arm, prompts: list[list[int]],
         outputs.append(out)
         generated += len(out)
     elapsed = time.perf_counter() - start
+    if arm.run is not None:  # external peers report speed only
+        return {"tokens_per_s": generated / elapsed}, outputs
     metrics = {"tokens_per_s": generated / elapsed, "tau": total.tau, "alpha": total.alpha,
                "head_share": total.draft_head_seconds / total.draft_seconds if total.draft_seconds else 0.0,
                "miss_rate": total.miss_rate,

@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     vocab.set_defaults(func=cmd_vocab)
 
     bench = sub.add_parser("bench", help="side-by-side benchmarks: v1 (ar/sd/frspec/HF), grid (EvoSpec table)")
-    bench.add_argument("suite", choices=["v1", "grid", "random"])
+    bench.add_argument("suite", choices=["v1", "grid", "random", "decoupled"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=lambda a: __import__(f"bench.{a.suite}", fromlist=["main"]).main(a.rest) or 0)
 

@@ -166,7 +166,8 @@ class DraftEngine:
         session.forwarded_slot = {new_index[o]: s for o, s in session.forwarded_slot.items() if o in new_index}
         probs = {(new_index[p] if p >= 0 else -1): q for p, q in draft_probs.items() if p < 0 or p in new_index}
         return DraftTree(torch.tensor([nodes[i].token for i in keep], dtype=torch.long),
-                         torch.tensor(parents, dtype=torch.long), probs, active_ids if probs else None)
+                         torch.tensor(parents, dtype=torch.long), probs,
+                         active_ids.clone() if probs else None)  # a snapshot: D may change after this step
 
     def advance(self, session: DraftSession, result: VerifyResult, feedback: TargetFeedback | None) -> list:
         """Between steps: commit the verified step, then let the session vocabulary update (-> its slot changes)."""

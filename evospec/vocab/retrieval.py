@@ -11,6 +11,7 @@ Score scales: statistical ~ decayed counts (0..~10), semantic = cosine (0..1), t
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,29 +21,38 @@ TARGET_PRIORITY = 100.0
 
 
 class StatisticalRetriever:
-    def __init__(self, long_tail: torch.Tensor, decay: float = 0.95, cooc: "CoocIndex | None" = None,
+    """Decayed counts of long-tail ids, kept sparse (only ids seen so far): per step it costs O(new tokens + k log n),
+    not O(vocabulary). Decay is lazy: stored values are score * decay**-step, rescaled before they overflow."""
+
+    def __init__(self, long_tail: list[bool], decay: float = 0.95, cooc: "CoocIndex | None" = None,
                  cooc_weight: float = 0.5):
-        self.long_tail = long_tail  # [V] bool
+        self.long_tail = long_tail  # [V] bools, shared by all sessions
         self.decay = decay
-        self.counts = torch.zeros(long_tail.shape[0])  # [V] decayed counts
         self.cooc = cooc
         self.cooc_weight = cooc_weight
+        self.scores: dict[int, float] = {}
+        self.step = 0
+
+    def _add(self, token: int, amount: float) -> None:
+        if self.long_tail[token]:
+            self.scores[token] = self.scores.get(token, 0.0) + amount
 
     def observe(self, tokens: list[int]) -> None:
-        self.counts.mul_(self.decay)
-        if not tokens:
-            return
-        ids = torch.tensor(tokens, dtype=torch.long)
-        self.counts.index_add_(0, ids, torch.ones(len(tokens)))
-        if self.cooc is not None:
+        self.step += 1
+        scale = self.decay ** -self.step
+        if scale > 1e150:  # fold the decay into the stored values, restart the clock
+            self.scores = {t: v / scale for t, v in self.scores.items()}
+            self.step, scale = 0, 1.0
+        for tok in tokens:
+            self._add(tok, scale)
+        if self.cooc is not None and tokens:
             pred_ids, pred_scores = self.cooc.expand(tokens)
-            if pred_ids.numel():
-                self.counts.index_add_(0, pred_ids, self.cooc_weight * pred_scores)
+            for tok, w in zip(pred_ids.tolist(), pred_scores.tolist()):
+                self._add(tok, self.cooc_weight * w * scale)
 
     def candidates(self, k: int) -> dict[int, float]:
-        scores = self.counts * self.long_tail  # [V]
-        top = scores.topk(min(k, scores.shape[0]))
-        return {int(i): float(s) for i, s in zip(top.indices, top.values) if s > 0}
+        now = self.decay ** self.step
+        return {t: v * now for t, v in heapq.nlargest(k, self.scores.items(), key=lambda kv: kv[1])}
 
 
 class CoocIndex:
