@@ -19,6 +19,7 @@ class ActiveVocab:
     static_rows: torch.Tensor  # [K, hidden] shared
     dynamic_rows: torch.Tensor | None = None  # [Dyna, hidden] per session
     dynamic_valid: torch.Tensor | None = None  # [Dyna] bool
+    dynamic_bias: torch.Tensor | None = None  # [Dyna] float logit offsets (unconfirmed long-tail ids start negative)
 
     @property
     def num_static(self) -> int:
@@ -33,7 +34,8 @@ class ActiveVocab:
         static = pruned_logits(hidden, self.static_rows)
         if self.dynamic_rows is None:
             return static
-        return torch.cat([static, pruned_logits(hidden, self.dynamic_rows, self.dynamic_valid)], dim=-1)
+        dynamic = pruned_logits(hidden, self.dynamic_rows, self.dynamic_valid) + self.dynamic_bias
+        return torch.cat([static, dynamic], dim=-1)
 
     def contains_mask(self, vocab_size: int) -> torch.Tensor:
         """[vocab_size] bool: which full ids are in A."""
@@ -46,14 +48,16 @@ class ActiveVocab:
         empty_ids = torch.full((slots,), -1, dtype=torch.long, device=self.row_ids.device)
         return ActiveVocab(torch.cat([self.row_ids[: self.num_static], empty_ids]), self.static_rows,
                            head_weight.new_zeros(slots, head_weight.shape[1]),
-                           torch.zeros(slots, dtype=torch.bool, device=head_weight.device))
+                           torch.zeros(slots, dtype=torch.bool, device=head_weight.device),
+                           torch.zeros(slots, dtype=torch.float32, device=head_weight.device))
 
-    def set_dynamic(self, head_weight: torch.Tensor, slot: int, token_id: int) -> None:
-        """Put token_id in dynamic slot `slot` (-1 empties it)."""
+    def set_dynamic(self, head_weight: torch.Tensor, slot: int, token_id: int, bias: float = 0.0) -> None:
+        """Put token_id in dynamic slot `slot` (-1 empties it) with a logit bias."""
         self.row_ids[self.num_static + slot] = token_id
         if token_id >= 0:
             self.dynamic_rows[slot] = head_weight[token_id]
         self.dynamic_valid[slot] = token_id >= 0
+        self.dynamic_bias[slot] = bias
 
 
 def full_vocab(head_weight: torch.Tensor) -> ActiveVocab:

@@ -82,6 +82,10 @@ class EvoSpecSettings:
     stat_candidates: int = 64
     semantic_every: int = 8  # steps between semantic queries (they cost a [q, pool] matmul)
     semantic_k: int = 32
+    # Online calibration of the draft head (a bias-only adapter): ids that retrieval guessed but the target has not
+    # confirmed get this logit offset; it goes to 0 once the target commits the id or reports it likely. Measured:
+    # without it the tiny draft over-proposes long-tail context tokens and greedy τ falls to sd's level.
+    unconfirmed_bias: float = -3.0
 
 
 class EvoSpecPolicy:
@@ -130,7 +134,7 @@ class EvoSessionVocab:
         self.tokens = list(prompt_ids)
         self.step = 0
         self._mask = self.active.contains_mask(policy.head_weight.shape[0])
-        self.initial_changes = self._merge(prompt_ids, None, semantic=True)
+        self.initial_changes = self._merge(prompt_ids, None, semantic=True, generated=False)
 
     def in_active(self) -> torch.Tensor:
         return self._mask
@@ -139,9 +143,10 @@ class EvoSessionVocab:
         self.step += 1
         self.tokens.extend(result.committed_tokens)
         semantic = self.step % self.policy.settings.semantic_every == 0
-        return self._merge(result.committed_tokens, feedback, semantic)
+        return self._merge(result.committed_tokens, feedback, semantic, generated=True)
 
-    def _merge(self, new_tokens: list[int], feedback: TargetFeedback | None, semantic: bool) -> list[SlotChange]:
+    def _merge(self, new_tokens: list[int], feedback: TargetFeedback | None, semantic: bool,
+               generated: bool) -> list[SlotChange]:
         candidates: dict[int, float] = {}
         if self.stat is not None:
             self.stat.observe(new_tokens)
@@ -153,16 +158,24 @@ class EvoSessionVocab:
             for tok, score in feedback.candidates.items():
                 candidates[tok] = max(candidates.get(tok, 0.0), score)
         changes = self.buffer.merge({t: s for t, s in candidates.items() if not self._in_static(t)}, self.step)
-        self.apply(changes)
+        confirmed = set(feedback.candidates) if feedback is not None else set()
+        if generated:  # the target committed these tokens: confirmed
+            confirmed.update(t for t in new_tokens if t in self.buffer)
+        self.apply(changes, confirmed)
+        for tok in confirmed:  # residents the target just vouched for lose their penalty
+            slot = self.buffer.slot_of.get(tok)
+            if slot is not None:
+                self.active.dynamic_bias[slot] = 0.0
         return changes
 
     def _in_static(self, tok: int) -> bool:
         return bool(self._mask[tok]) and tok not in self.buffer
 
-    def apply(self, changes: list[SlotChange]) -> None:
+    def apply(self, changes: list[SlotChange], confirmed: set[int]) -> None:
         for ch in changes:
             if ch.evicted >= 0:
                 self._mask[ch.evicted] = False
-            self.active.set_dynamic(self.policy.head_weight, ch.slot, ch.token_id)
+            bias = 0.0 if ch.token_id in confirmed else self.policy.settings.unconfirmed_bias
+            self.active.set_dynamic(self.policy.head_weight, ch.slot, ch.token_id, bias)
             if ch.token_id >= 0:
                 self._mask[ch.token_id] = True

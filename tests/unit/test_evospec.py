@@ -144,3 +144,20 @@ def test_evospec_sampling_distribution():
         list(gen)
         counts[gen.output_ids[0] * VOCAB + gen.output_ids[1]] += 1
     assert chi_square_p(counts, exact_joint(target, sampling)) > 1e-3
+
+
+def test_unconfirmed_buffer_ids_are_penalized_until_the_target_confirms_them(pair):
+    target, draft = pair
+    static = torch.arange(0, 48)
+    policy = EvoSpecPolicy(draft.head_weight, static, EvoSpecSettings(dynamic_size=4, use_semantic=False,
+                                                                      unconfirmed_bias=-3.0))
+    session = policy.new_session([60, 61, 60, 5])  # long-tail 60, 61 come from the prompt: guessed, not confirmed
+    slots = {c.token_id: c.slot for c in session.initial_changes}
+    assert set(slots) == {60, 61}
+    assert all(session.active.dynamic_bias[s] == -3.0 for s in slots.values())
+    session.observe(VerifyResult([], [], 61), None)  # the target generated 61
+    assert session.active.dynamic_bias[slots[61]] == 0.0 and session.active.dynamic_bias[slots[60]] == -3.0
+    hidden = torch.randn(2, draft.head_weight.shape[1])
+    logits = session.active.logits(hidden)
+    raw = hidden @ draft.head_weight[60]
+    assert torch.allclose(logits[:, 48 + slots[60]], raw - 3.0, atol=1e-5)
