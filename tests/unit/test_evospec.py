@@ -58,12 +58,16 @@ def test_semantic_index_returns_nearest_rows():
 
 def test_target_feedback_reports_misses_and_likely_outsiders():
     in_active = torch.tensor([True, True, False, False, False])
-    logits = torch.log(torch.tensor([[0.5, 0.2, 0.25, 0.04, 0.01],   # 2 and 3 likely outside A
-                                     [0.1, 0.1, 0.1, 0.1, 0.6]]))   # committed 4: a miss
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.25, 0.04, 0.01],    # accepted position: 0 was accepted
+                                     [0.1, 0.05, 0.2, 0.05, 0.6]]))   # bonus row: committed 4, a miss
     fb = target_feedback(logits, committed=[0, 4], in_active=in_active, top_m=2, min_prob=0.03)
     assert fb.misses == 1 and fb.positions == 2
-    assert fb.candidates[4] > fb.candidates[2] > fb.candidates[3] >= TARGET_PRIORITY
-    assert 0 not in fb.candidates and 1 not in fb.candidates
+    # candidates come from the bonus row: the miss (4) first, then likely outsiders (2); 3 is below min_prob
+    assert set(fb.candidates) == {4, 2}
+    assert fb.candidates[4] > fb.candidates[2] >= TARGET_PRIORITY
+    assert fb.candidates[2] == pytest.approx(TARGET_PRIORITY + 0.2)
+    only_misses = target_feedback(logits, [0, 4], in_active, with_candidates=False)
+    assert (only_misses.misses, only_misses.candidates) == (1, {})
 
 
 @pytest.fixture(scope="module")
