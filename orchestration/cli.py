@@ -231,8 +231,18 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+PASSTHROUGH = {  # subcommands whose own argparse handles every option
+    "loadtest": "loadtest.run", "loadtest-sweep": "loadtest.sweep", "train-tiny": "evospec.tiny_pair.train",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     from evospec.errors import InvalidRequestError
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in PASSTHROUGH:
+        return __import__(PASSTHROUGH[argv[0]], fromlist=["main"]).main(argv[1:]) or 0
+    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in ("v1", "grid", "random", "decoupled"):
+        return __import__(f"bench.{argv[1]}", fromlist=["main"]).main(argv[2:]) or 0
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -18,6 +18,9 @@ class ModelSpec(BaseModel):
     num_gpus: float = 1.0
     num_cpus: float = 1.0
     resources: dict[str, float] = Field(default_factory=dict)  # e.g. {draft_slot: 1} to pin to a node
+    # CPU threads for torch in the replica. Ray sets OMP_NUM_THREADS from num_cpus (1 when num_cpus is 0), which
+    # silently halves CPU speed on a 2-core box; None keeps Ray's choice.
+    torch_threads: int | None = None
 
 
 class AppConfig(BaseModel):
@@ -44,3 +47,9 @@ class AppConfig(BaseModel):
 
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+def apply_torch_threads(threads: int | None) -> None:
+    if threads:
+        import torch
+        torch.set_num_threads(threads)

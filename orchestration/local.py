@@ -8,6 +8,7 @@ CUDA device exists so the production `num_gpus: 1` graph schedules unchanged. Sh
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import socket
@@ -54,6 +55,7 @@ def serve_app(cfg: AppConfig, deploy_timeout_s: float = 300.0) -> Iterator[str]:
     from ray.serve.schema import LoggingConfig
 
     from orchestration.app import GRPC_SERVICER_FUNCTIONS, build_app
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # keep the driver's console for our output
     grpc_port = cfg.grpc_port or free_port()
     serve.start(http_options=HTTPOptions(host="127.0.0.1", port=cfg.http_port or free_port()),
                 grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS))

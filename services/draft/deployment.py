@@ -12,7 +12,7 @@ from ray import serve
 from evospec.engine.draft import DraftEngine
 from evospec.loading import load_cooc, load_model, load_static_ids
 from evospec.vocab.registry import VocabPolicies
-from orchestration.config import AppConfig
+from orchestration.config import AppConfig, apply_torch_threads
 from services.draft.servicer import DraftServicer, start_draft_server
 
 log = logging.getLogger("ray.serve")
@@ -23,6 +23,7 @@ class DraftDeployment:
     def __init__(self, config: dict):
         import ray
         cfg = AppConfig(**config)
+        apply_torch_threads(cfg.draft.torch_threads)
         model, folder = load_model(cfg.draft.path, "draft", cfg.draft.device, cfg.draft.dtype)
         static_ids, sha = load_static_ids(cfg.static_vocab)
         policies = VocabPolicies(model.head_weight, static_ids, load_cooc(cfg.cooc))

@@ -17,7 +17,7 @@ from evospec.engine.generate import SpeculativeDecoder
 from evospec.errors import OverloadedError
 from evospec.loading import QWEN3_STOP_IDS, load_model, load_static_ids
 from evospec.tokenizer import load_tokenizer
-from orchestration.config import AppConfig
+from orchestration.config import AppConfig, apply_torch_threads
 from services.common.convert import prompt_ids_from_request, sampling_from_proto, spec_from_proto, stats_to_proto
 from services.common.errors import set_status
 from services.common.metrics import ServiceMetrics
@@ -33,6 +33,7 @@ METHODS = ["ar", "sd", "frspec", "evospec"]
 class TargetDeployment:
     def __init__(self, draft, config: dict):
         self.cfg = AppConfig(**config)
+        apply_torch_threads(self.cfg.target.torch_threads)
         model, folder = load_model(self.cfg.target.path, "target", self.cfg.target.device, self.cfg.target.dtype)
         self.tokenizer = load_tokenizer(str(folder))
         self.static_ids, self.static_sha = load_static_ids(self.cfg.static_vocab)

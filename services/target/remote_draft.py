@@ -62,7 +62,6 @@ class RemoteDrafter:
     def __init__(self, channel: grpc.Channel, session_id: str, prompt_ids: list[int], sampling: SamplingParams,
                  spec: SpecParams, max_len: int, seed: int, static_ids: torch.Tensor | None, vocab_size: int,
                  static_vocab_sha: str, timeout_s: float):
-        self.spec = spec
         self.wants_candidates = spec.method == "evospec" and "target" in spec.vocab.retrieval
         restricted = spec.method in ("frspec", "evospec")
         dyn = spec.vocab.dynamic_size if spec.method == "evospec" else 0
@@ -72,6 +71,7 @@ class RemoteDrafter:
             session_id=session_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sampling),
             spec=spec_to_proto(spec), seed=seed + 1, max_len=max_len)))
         self._call = spec_grpc.DraftStub(channel).Speculate(iter(self._requests.get, None), timeout=timeout_s)
+        self._first_sha = ""  # the draft names its static artifact in its first reply
         self._next = self._receive()
         if static_vocab_sha and self._first_sha and self._first_sha != static_vocab_sha:
             self.close()
@@ -83,10 +83,10 @@ class RemoteDrafter:
             msg = next(self._call)
         except grpc.RpcError as err:  # draft failure, deadline, cancellation
             raise DraftStreamError(f"draft: {err.details()}", err.code().name) from None
-        self._first_sha = getattr(self, "_first_sha", None) or msg.static_vocab_sha
+        self._first_sha = self._first_sha or msg.static_vocab_sha
         self.mirror.apply(msg.buffer_changes)  # applied by the draft before it drafted this tree
         self._changes = len([c for c in msg.buffer_changes if c.token_id >= 0])
-        return tree_from_proto(msg, self.mirror.row_ids.clone())
+        return tree_from_proto(msg, self.mirror.row_ids.clone() if msg.draft_probs else None)
 
     def propose(self) -> DraftTree:
         return self._next
