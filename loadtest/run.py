@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path

@@ -16,7 +16,7 @@ from evospec.config import SamplingParams, SpecParams
 from evospec.engine.draft import DraftEngine
 from evospec.engine.drafter import Drafter, LocalDrafter, NoDrafter
 from evospec.engine.stats import SpecStats
-from evospec.engine.target import TargetEngine, TargetSession
+from evospec.engine.target import TargetEngine
 from evospec.errors import InvalidRequestError
 from evospec.model import Qwen3
 from evospec.vocab.registry import VocabPolicies

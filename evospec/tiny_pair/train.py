@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import save_file
 from tqdm import tqdm
 
@@ -41,7 +40,6 @@ def build_documents(tokenizer) -> tuple[list[str], list[str]]:
     def chat(item):
         return tokenizer.apply_chat_template(medical_chat(item), tokenize=False, enable_thinking=False)
 
-    eos = tokenizer.eos_token
     train = [chat(it) for it in train_items]
     train += [" ".join(it["contexts"]) + "<|endoftext|>" for it in train_items]
     icd = icd10_descriptions(limit=12000)
@@ -51,7 +49,6 @@ def build_documents(tokenizer) -> tuple[list[str], list[str]]:
     kjv = kjv_verses(limit=9000)
     train += [" ".join(kjv[i:i + 25]) + "<|endoftext|>" for i in range(0, len(kjv), 25)]
     held = [chat(it) for it in held_items]
-    del eos
     return train, held
 
 

@@ -10,7 +10,6 @@ import threading
 
 import grpc
 
-from evospec.api.evospec.v1 import speculation_pb2 as spec_pb
 from evospec.api.evospec.v1 import speculation_pb2_grpc as spec_grpc
 from evospec.config import SpecParams
 from evospec.engine.draft import DraftEngine, DraftSession

@@ -4,7 +4,6 @@ bidi stream per generation (services/target/remote_draft.py). Methods are named 
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
