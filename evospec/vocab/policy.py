@@ -102,7 +102,7 @@ class EvoSpecPolicy:
         in_static[static_ids.cpu()] = True
         self.long_tail = ~in_static & trained_rows(head_weight)  # [V]
         self.long_tail_list = self.long_tail.tolist()  # fast per-token lookups
-        self.index = ExactEmbeddingIndex(head_weight.detach().cpu(), self.long_tail.nonzero()[:, 0]) \
+        self.index = ExactEmbeddingIndex(head_weight.detach(), self.long_tail.nonzero()[:, 0]) \
             if settings.use_semantic else None
         self.cooc = cooc
 
@@ -129,7 +129,7 @@ class EvoSessionVocab:
         self.buffer = DynamicBuffer(s.dynamic_size, s.min_residency, s.buffer_decay)
         self.stat = StatisticalRetriever(policy.long_tail_list, s.stat_decay, policy.cooc) if s.use_statistical \
             else None
-        self.semantic = SemanticRetriever(policy.head_weight.detach().cpu(), policy.index, policy.long_tail,
+        self.semantic = SemanticRetriever(policy.head_weight.detach(), policy.index, policy.long_tail,
                                           k=s.semantic_k) if s.use_semantic else None
         self.tokens = list(prompt_ids)
         self.step = 0

@@ -16,9 +16,10 @@ def test_greedy_identical_on_cuda_bf16():
     sampling = SamplingParams(max_tokens=64, ignore_eos=True)
     ref = dec.generate([1, 2, 3], sampling, SpecParams(method="ar"))
     list(ref)
-    for method in ("sd", "frspec"):
+    for method in ("sd", "frspec", "evospec"):
         for tree in (TreeParams(shape="chain", num_draft_tokens=4), TreeParams(shape="tree", budget=16)):
-            out = dec.generate([1, 2, 3], sampling, SpecParams(method=method, tree=tree, vocab={"static_size": 2048}))
+            out = dec.generate([1, 2, 3], sampling, SpecParams(method=method, tree=tree,
+                                                               vocab={"static_size": 2048, "dynamic_size": 64}))
             list(out)
             assert out.output_ids == ref.output_ids
 
