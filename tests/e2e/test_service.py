@@ -51,6 +51,18 @@ def test_decoupled_stats_equal_in_process_stats(client, in_process, method):
         assert out.stats.get(key, 0 if key != "accepted_per_pos" else []) == local[key], key
 
 
+@pytest.mark.parametrize("method", ["sd", "evospec"])
+def test_seeded_sampling_through_service_equals_in_process(client, in_process, method):
+    """Same seed, same sampled tokens: the remote draft uses the same RNG streams and the same A as the local one."""
+    prompt = chat_prompt_ids(in_process.tokenizer, MESSAGES)
+    sampling = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=11)
+    gen = in_process.decoder.generate(prompt, sampling, SpecParams(method=method))
+    list(gen)
+    out = client.generate(messages=MESSAGES, max_tokens=40, temperature=0.8, top_p=0.95, seed=11, method=method)
+    assert out.token_ids == gen.output_ids
+    assert out.stats["accepted"] == gen.stats.accepted and out.stats["steps"] == gen.stats.steps
+
+
 def test_streaming_deltas_and_unary(client, in_process):
     expected = reference(in_process, 24)
     deltas = list(client.stream(messages=MESSAGES, max_tokens=24, method="evospec"))
