@@ -79,7 +79,7 @@ class SpeculativeDecoder:
             raise InvalidRequestError("max_tokens", f"prompt ({len(prompt_ids)}) + max_tokens ({sampling.max_tokens}) "
                                                     f"exceeds the context length {self.max_model_len}")
         if spec.method != "ar":
-            self.policies.check(spec)
+            self.policies.layout(spec)
             if not remote_draft:
                 if self.draft is None:
                     raise InvalidRequestError("spec.method", f"'{spec.method}' needs a draft model; this server has none")
@@ -99,8 +99,6 @@ class SpeculativeDecoder:
         return gen
 
     def local_drafter(self, prompt_ids, sampling, spec, max_len, seed) -> Drafter:
-        if spec.method == "ar":
-            return NoDrafter()
         policy = self.policies.get(spec)
         session = self.draft.start(prompt_ids, sampling, spec.tree, policy, max_len, seed + 1)
         return LocalDrafter(self.draft, session)

@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 
 from evospec.verify import VerifyResult
-from evospec.vocab.active import ActiveVocab, full_vocab, static_vocab
+from evospec.vocab.active import ActiveVocab, static_vocab
 from evospec.vocab.dynamic import DynamicBuffer, SlotChange
 from evospec.vocab.retrieval import (CoocIndex, ExactEmbeddingIndex, SemanticRetriever, StatisticalRetriever,
                                      TargetFeedback)
@@ -50,21 +50,12 @@ class FixedSessionVocab:
         return []
 
 
-class FullVocabPolicy:
-    """`sd`: the draft scores all rows."""
+class FixedVocabPolicy:
+    """`sd` (every row) and `frspec` (the K static rows): one read-only active vocabulary, its rows gathered once
+    and shared by every session."""
 
-    def __init__(self, head_weight: torch.Tensor):
-        self._session = FixedSessionVocab(full_vocab(head_weight), head_weight.shape[0])
-
-    def new_session(self, prompt_ids: list[int]) -> SessionVocab:
-        return self._session
-
-
-class StaticVocabPolicy:
-    """`frspec`: the draft scores the K static rows, gathered once and shared by every session (read-only)."""
-
-    def __init__(self, head_weight: torch.Tensor, static_ids: torch.Tensor):
-        self._session = FixedSessionVocab(static_vocab(head_weight, static_ids), head_weight.shape[0])
+    def __init__(self, active: ActiveVocab, vocab_size: int):
+        self._session = FixedSessionVocab(active, vocab_size)
 
     def new_session(self, prompt_ids: list[int]) -> SessionVocab:
         return self._session

@@ -1,12 +1,24 @@
 """method name -> vocabulary policy. The only place that maps method strings to behaviour."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from evospec.config import SpecParams
 from evospec.errors import InvalidRequestError
-from evospec.vocab.policy import EvoSpecPolicy, EvoSpecSettings, FullVocabPolicy, StaticVocabPolicy, VocabPolicy
+from evospec.vocab.active import full_vocab, static_vocab
+from evospec.vocab.policy import EvoSpecPolicy, EvoSpecSettings, FixedVocabPolicy, VocabPolicy
 from evospec.vocab.retrieval import CoocIndex
+
+
+@dataclass(frozen=True)
+class ActiveLayout:
+    """What the target must know of a method's A to mirror it: the static prefix (None = every row), the number of
+    dynamic slots, and whether the draft wants target-fed buffer candidates."""
+    static_ids: torch.Tensor | None
+    dynamic_size: int
+    target_feedback: bool
 
 
 class VocabPolicies:
@@ -28,11 +40,17 @@ class VocabPolicies:
                                       f"{k} exceeds the {self.static_ids.shape[0]} ids of the loaded static vocabulary")
         return self.static_ids[:k]
 
-    def check(self, spec: SpecParams) -> None:
-        """Raise InvalidRequestError if `spec` cannot be served, without building anything (the target validates
-        requests whose draft runs in another process)."""
-        if spec.method in ("frspec", "evospec"):
-            self._static_prefix(spec.vocab.static_size)
+    def layout(self, spec: SpecParams) -> ActiveLayout:
+        """The shape of A for `spec`, without building anything; raises InvalidRequestError if it cannot be served
+        (the target validates and mirrors requests whose draft runs in another process)."""
+        v = spec.vocab
+        if spec.method == "sd":
+            return ActiveLayout(None, 0, False)
+        if spec.method == "frspec":
+            return ActiveLayout(self._static_prefix(v.static_size), 0, False)
+        if spec.method == "evospec":
+            return ActiveLayout(self._static_prefix(v.static_size), v.dynamic_size, "target" in v.retrieval)
+        raise InvalidRequestError("spec.method", f"'{spec.method}' has no draft vocabulary")
 
     def get(self, spec: SpecParams) -> VocabPolicy:
         key = (spec.method, spec.vocab.static_size, spec.vocab.dynamic_size, spec.vocab.retrieval)
@@ -41,13 +59,12 @@ class VocabPolicies:
         return self._cache[key]
 
     def _build(self, spec: SpecParams) -> VocabPolicy:
-        if spec.method == "sd":
-            return FullVocabPolicy(self.head_weight)
-        if spec.method == "frspec":
-            return StaticVocabPolicy(self.head_weight, self._static_prefix(spec.vocab.static_size))
+        layout = self.layout(spec)
         if spec.method == "evospec":
             v = spec.vocab
             settings = EvoSpecSettings(dynamic_size=v.dynamic_size, use_statistical="statistical" in v.retrieval,
-                                       use_semantic="semantic" in v.retrieval, use_target="target" in v.retrieval)
-            return EvoSpecPolicy(self.head_weight, self._static_prefix(v.static_size), settings, self.cooc)
-        raise InvalidRequestError("spec.method", f"'{spec.method}' is not available in this build")
+                                       use_semantic="semantic" in v.retrieval, use_target=layout.target_feedback)
+            return EvoSpecPolicy(self.head_weight, layout.static_ids, settings, self.cooc)
+        active = full_vocab(self.head_weight) if layout.static_ids is None \
+            else static_vocab(self.head_weight, layout.static_ids)
+        return FixedVocabPolicy(active, self.head_weight.shape[0])

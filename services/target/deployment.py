@@ -62,7 +62,8 @@ class TargetDeployment:
         prompt_ids = prompt_ids_from_request(request, self.tokenizer)
 
         def remote(prompt, sampling_, spec_, max_len, seed):
-            return RemoteDrafter(channel, request_id, prompt, sampling_, spec_, max_len, seed, self.static_ids,
+            return RemoteDrafter(channel, request_id, prompt, sampling_, spec_, max_len, seed,
+                                 self.decoder.policies.layout(spec_),
                                  self.decoder.target.vocab_size, self.static_sha, self.cfg.internal_timeout_s)
         gen = self.decoder.generate(prompt_ids, sampling, spec, drafter_factory=remote)
         return request_id, spec, gen

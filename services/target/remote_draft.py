@@ -19,6 +19,7 @@ from evospec.engine.stats import SpecStats
 from evospec.engine.target import VerifiedStep
 from evospec.errors import EvoSpecError
 from evospec.tree import DraftTree
+from evospec.vocab.registry import ActiveLayout
 from services.common.convert import outcome_to_proto, sampling_to_proto, spec_to_proto, tree_from_proto
 
 
@@ -60,12 +61,10 @@ class DraftStreamError(EvoSpecError):
 
 class RemoteDrafter:
     def __init__(self, channel: grpc.Channel, session_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                 spec: SpecParams, max_len: int, seed: int, static_ids: torch.Tensor | None, vocab_size: int,
+                 spec: SpecParams, max_len: int, seed: int, layout: ActiveLayout, vocab_size: int,
                  static_vocab_sha: str, timeout_s: float):
-        self.wants_candidates = spec.method == "evospec" and "target" in spec.vocab.retrieval
-        restricted = spec.method in ("frspec", "evospec")
-        dyn = spec.vocab.dynamic_size if spec.method == "evospec" else 0
-        self.mirror = ActiveSetMirror(static_ids[: spec.vocab.static_size] if restricted else None, dyn, vocab_size)
+        self.wants_candidates = layout.target_feedback
+        self.mirror = ActiveSetMirror(layout.static_ids, layout.dynamic_size, vocab_size)
         self._requests: queue.Queue = queue.Queue()
         self._requests.put(spec_pb.TargetToDraft(start=spec_pb.StartSession(
             session_id=session_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sampling),

@@ -33,7 +33,8 @@ def setup():
 
 def remote_factory(channel, static_ids):
     def make(prompt, sampling, spec, max_len, seed):
-        return RemoteDrafter(channel, "req-1", prompt, sampling, spec, max_len, seed, static_ids, VOCAB, "sha", 30)
+        layout = VocabPolicies(None, static_ids).layout(spec)
+        return RemoteDrafter(channel, "req-1", prompt, sampling, spec, max_len, seed, layout, VOCAB, "sha", 30)
     return make
 
 
@@ -66,7 +67,8 @@ def test_remote_equals_local(setup, method, sampling, tree):
 def test_mismatched_static_vocabulary_is_refused(setup):
     _, remote_only, channel, _ = setup
     def make(prompt, sampling, spec, max_len, seed):
-        return RemoteDrafter(channel, "req-2", prompt, sampling, spec, max_len, seed, STATIC, VOCAB, "other", 30)
+        layout = VocabPolicies(None, STATIC).layout(spec)
+        return RemoteDrafter(channel, "req-2", prompt, sampling, spec, max_len, seed, layout, VOCAB, "other", 30)
     gen = remote_only.generate([4, 5], SamplingParams(max_tokens=4), SpecParams(method="frspec",
                                                                                  vocab={"static_size": 32}),
                                drafter_factory=make)
