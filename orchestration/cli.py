@@ -171,6 +171,17 @@ def cmd_vocab(args) -> int:
     return 0
 
 
+BENCH_SUITES = ("v1", "grid", "random", "decoupled")
+PASSTHROUGH = {"loadtest": "loadtest.run", "loadtest-sweep": "loadtest.sweep", "train-tiny": "evospec.tiny_pair.train"}
+
+
+def passthrough_module(argv: list[str]) -> str | None:
+    """The module whose own `main(argv)` handles this command line, if any."""
+    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCH_SUITES:
+        return f"bench.{argv[1]}"
+    return PASSTHROUGH.get(argv[0]) if argv else None
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="evospec", description="EvoSpec Serve: decoupled speculative decoding")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -215,36 +226,23 @@ def build_parser() -> argparse.ArgumentParser:
     cooc.add_argument("--static-vocab", default="evospec/vocab/data/qwen3-specbench-32k.json")
     vocab.set_defaults(func=cmd_vocab)
 
-    bench = sub.add_parser("bench", help="side-by-side benchmarks: v1 (ar/sd/frspec/HF), grid (EvoSpec table)")
-    bench.add_argument("suite", choices=["v1", "grid", "random", "decoupled"])
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
-    bench.set_defaults(func=lambda a: __import__(f"bench.{a.suite}", fromlist=["main"]).main(a.rest) or 0)
-
-    lt = sub.add_parser("loadtest", help="async load generator against a running service (vllm bench serve style)")
-    lt.add_argument("rest", nargs=argparse.REMAINDER)
-    lt.set_defaults(func=lambda a: __import__("loadtest.run", fromlist=["main"]).main(a.rest))
-    sw = sub.add_parser("loadtest-sweep", help="methods x concurrency sweep (starts a local service by default)")
-    sw.add_argument("rest", nargs=argparse.REMAINDER)
-    sw.set_defaults(func=lambda a: __import__("loadtest.sweep", fromlist=["main"]).main(a.rest))
-
-    train = sub.add_parser("train-tiny", help="retrain the embedded tiny Qwen3 pair (~15 CPU-minutes)")
-    train.add_argument("rest", nargs=argparse.REMAINDER)
-    train.set_defaults(func=lambda a: __import__("evospec.tiny_pair.train", fromlist=["main"]).main(a.rest) or 0)
+    # Subcommands with their own argparse (dispatched in `main` before this parser runs; listed here for --help).
+    bench = sub.add_parser("bench", help="side-by-side benchmarks: v1 (ar/sd/frspec/HF), grid (EvoSpec table), "
+                                         "random, decoupled; `evospec bench SUITE --help`")
+    bench.add_argument("suite", choices=BENCH_SUITES)
+    sub.add_parser("loadtest", help="async load generator against a running service (vllm bench serve style)")
+    sub.add_parser("loadtest-sweep", help="methods x concurrency sweep (starts a local service by default)")
+    sub.add_parser("train-tiny", help="retrain the embedded tiny Qwen3 pair (~30 CPU-minutes)")
     return ap
-
-
-PASSTHROUGH = {  # subcommands whose own argparse handles every option
-    "loadtest": "loadtest.run", "loadtest-sweep": "loadtest.sweep", "train-tiny": "evospec.tiny_pair.train",
-}
 
 
 def main(argv: list[str] | None = None) -> int:
     from evospec.errors import InvalidRequestError
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in PASSTHROUGH:
-        return __import__(PASSTHROUGH[argv[0]], fromlist=["main"]).main(argv[1:]) or 0
-    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in ("v1", "grid", "random", "decoupled"):
-        return __import__(f"bench.{argv[1]}", fromlist=["main"]).main(argv[2:]) or 0
+    module = passthrough_module(argv)
+    if module is not None:
+        skip = 2 if argv[0] == "bench" else 1
+        return __import__(module, fromlist=["main"]).main(argv[skip:]) or 0
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
