@@ -13,7 +13,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.prompts import PROMPT_SETS
+from evospec.bench.prompts import PROMPT_SETS
 from evospec.config import SamplingParams, SpecParams
 from evospec.loading import load_pair
 from evospec.tokenizer import chat_prompt_ids
@@ -27,14 +27,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--methods", nargs="+", default=["ar", "sd", "frspec", "evospec"])
     ap.add_argument("--out", type=Path, default=Path("results/bench_decoupled"))
     args = ap.parse_args(argv)
-    from client import EvoSpecClient
-    from orchestration.config import CONFIG_DIR, AppConfig
-    from orchestration.local import free_port, local_service
+    from evospec_client import EvoSpecClient
+    from evospec.orchestration.config import DEFAULT_CONFIG, AppConfig
+    from evospec.orchestration.local import free_port, local_service
 
     pair = load_pair()
     convs = PROMPT_SETS["medical"](args.prompts)
     prompts = [chat_prompt_ids(pair.tokenizer, c) for c in convs]
-    cfg = AppConfig.from_yaml(CONFIG_DIR / "cpu-tiny.yaml").model_copy(
+    cfg = AppConfig.from_yaml(DEFAULT_CONFIG).model_copy(
         update={"grpc_port": free_port(), "http_port": free_port()})
     rows: dict[str, dict[str, list[float]]] = {m: {"local": [], "service": [], "step_ms": []} for m in args.methods}
     with local_service(cfg) as address, EvoSpecClient(address) as client:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from bench.harness import Arm, markdown_table, run_side_by_side, write_results
-from bench.v1 import tokenize_sets
+from evospec.bench.harness import Arm, markdown_table, run_side_by_side, write_results
+from evospec.bench.v1 import tokenize_sets
 from evospec.config import SamplingParams, SpecParams, TreeParams
 from evospec.loading import load_pair
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bench.harness import Arm, run_side_by_side, write_results
+from evospec.bench.harness import Arm, run_side_by_side, write_results
 from evospec.config import SamplingParams, SpecParams, TreeParams
 from evospec.engine.generate import SpeculativeDecoder
-from evospec.model.random_pair import random_pair
+from evospec.testing import random_pair
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import torch
 
-from bench.harness import Arm, run_side_by_side, write_results
-from bench.prompts import PROMPT_SETS
+from evospec.bench.harness import Arm, run_side_by_side, write_results
+from evospec.bench.prompts import PROMPT_SETS
 from evospec.config import SamplingParams, SpecParams, TreeParams
-from evospec.loading import QWEN3_STOP_IDS, load_pair
+from evospec.loading import load_pair
 from evospec.tokenizer import chat_prompt_ids
 
 
-def hf_assisted_arm(draft_dir: Path, target_dir: Path) -> Arm:
+def hf_assisted_arm(draft_dir: Path, target_dir: Path, stop_ids: tuple[int, ...]) -> Arm:
     """transformers' assisted generation (`assistant_model=`) on the same weights: the external peer."""
     from transformers import AutoModelForCausalLM
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
@@ -28,10 +28,10 @@ def hf_assisted_arm(draft_dir: Path, target_dir: Path) -> Arm:
                                                                     top_p=sampling.top_p)
         with torch.inference_mode():
             out = target.generate(torch.tensor([prompt]), assistant_model=draft, max_new_tokens=sampling.max_tokens,
-                                  eos_token_id=list(QWEN3_STOP_IDS), pad_token_id=QWEN3_STOP_IDS[1], **kwargs)
+                                  eos_token_id=list(stop_ids), pad_token_id=stop_ids[-1], **kwargs)
         tokens = out[0, len(prompt):].tolist()
         for i, t in enumerate(tokens):
-            if t in QWEN3_STOP_IDS:
+            if t in stop_ids:
                 return tokens[:i], None
         return tokens, None
     return Arm("hf-assisted", run=run)
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     arms += [Arm(f"frspec-{k // 1024}k", SpecParams(method="frspec", tree=tree, vocab={"static_size": k}))
              for k in (8192, 16384, 32768)]
     if not args.no_hf:
-        arms.append(hf_assisted_arm(pair.draft_path, pair.target_path))
+        arms.append(hf_assisted_arm(pair.draft_path, pair.target_path, pair.stop_ids))
     sets = tokenize_sets(pair.tokenizer, ["medical", "general"], args.prompts)
     samplings = {"greedy": SamplingParams(max_tokens=args.max_tokens, temperature=0.0),
                  "T=1": SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=0)}

@@ -1,18 +1,23 @@
-"""Typed request and speculation configuration (pydantic), validated once at the edge.
+"""Typed configuration of the core (pydantic): requests, speculation and models. Every default lives here, once;
+the service configs (services/config.py), the YAMLs and the CLI read them from these types.
 
 Invalid values raise `InvalidRequestError(field, message)` through `validated(...)`, never a bare pydantic error.
 """
 from __future__ import annotations
 
 import math
-from typing import Literal, TypeVar
+from typing import Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from evospec.errors import InvalidRequestError
 
 Method = Literal["ar", "sd", "frspec", "evospec"]
+METHODS: tuple[str, ...] = get_args(Method)
 TreeShape = Literal["chain", "tree"]
+Retrieval = Literal["statistical", "semantic", "target"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+SEED_SPACE = 2**64  # seeds are uint64 (the public API's type and torch.Generator's range)
 
 
 class SamplingParams(BaseModel):
@@ -45,8 +50,8 @@ class TreeParams(BaseModel):
     shape: TreeShape = "chain"
     num_draft_tokens: int = Field(4, ge=1, le=64)
     depth: int = Field(4, ge=1, le=16)
-    branching: int = Field(3, ge=1, le=16)
-    budget: int = Field(16, ge=1, le=256)
+    branching: int = Field(2, ge=1, le=16)
+    budget: int = Field(8, ge=1, le=256)
 
     @property
     def max_nodes(self) -> int:
@@ -58,14 +63,30 @@ class VocabParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     static_size: int = Field(32768, ge=1)
     dynamic_size: int = Field(256, ge=0)
-    retrieval: tuple[Literal["statistical", "semantic", "target"], ...] = ("statistical", "semantic", "target")
+    retrieval: tuple[Retrieval, ...] = get_args(Retrieval)
 
 
 class SpecParams(BaseModel):
+    """The speculation of one request; these defaults are the service's defaults too."""
     model_config = ConfigDict(frozen=True, extra="forbid")
-    method: Method = "sd"
+    method: Method = "evospec"
     tree: TreeParams = TreeParams()
     vocab: VocabParams = VocabParams()
+
+
+class ModelConfig(BaseModel):
+    """One model of the pair. path None = the embedded tiny pair. device auto = CUDA when available, else CPU;
+    dtype auto = bfloat16 on CUDA, float32 on CPU. torch_threads None = leave torch's (or Ray's) choice."""
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    path: str | None = None
+    device: str = "auto"
+    dtype: DType = "auto"
+    torch_threads: int | None = Field(None, ge=1)
+
+
+def draft_seed(seed: int) -> int:
+    """The draft's generator seed for a request seeded with `seed`: different from the target's, same range."""
+    return (seed + 1) % SEED_SPACE
 
 
 M = TypeVar("M", bound=BaseModel)

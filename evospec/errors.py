@@ -21,6 +21,3 @@ class InvalidRequestError(EvoSpecError, ValueError):
 class OverloadedError(EvoSpecError):
     """Too many concurrent generations (-> RESOURCE_EXHAUSTED)."""
 
-
-class SessionNotFoundError(EvoSpecError, KeyError):
-    """A draft/target session id that is unknown or already freed (-> NOT_FOUND)."""

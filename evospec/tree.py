@@ -35,7 +35,3 @@ class DraftTree:
         for i, p in enumerate(self.parents.tolist()):
             out.setdefault(p, []).append(i)
         return out
-
-    def depths(self) -> list[int]:
-        from kernels.tree import tree_depths
-        return tree_depths(self.parents).tolist()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from evospec.tree import DraftTree
-from kernels.pruned_head import scatter_to_full_vocab
+from evospec.kernels.pruned_head import scatter_to_full_vocab
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ class LoadRequest:
 
 def load_prompts(dataset: str, num_prompts: int, seed: int, path: str | None = None) -> list[list[dict]]:
     if dataset == "medical":
-        from evospec.tiny_pair.corpus import pubmedqa_items
+        from evospec.datasets import pubmedqa_items
         items = [[{"role": "user", "content": it["question"]}] for it in pubmedqa_items()]
     elif dataset == "spec-bench":
-        from evospec.tiny_pair.corpus import spec_bench_prompts
+        from evospec.datasets import spec_bench_prompts
         items = [[{"role": "user", "content": r["prompt"]}] for r in spec_bench_prompts()]
     elif dataset == "jsonl":
         if not path:

@@ -15,8 +15,8 @@ import contextlib
 import json
 from pathlib import Path
 
-from loadtest.datasets import build_requests, load_prompts
-from loadtest.run import run_load, summarize
+from evospec.loadtest.datasets import build_requests, load_prompts
+from evospec.loadtest.run import run_load, summarize
 
 
 def sweep(address: str, methods: list[str], levels: list[int], requests_per_level: int, output_len: int,
@@ -81,9 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         address = args.server
         if address is None:
-            from orchestration.config import CONFIG_DIR, AppConfig
-            from orchestration.local import free_port, local_service
-            cfg = AppConfig.from_yaml(CONFIG_DIR / "cpu-tiny.yaml").model_copy(
+            from evospec.orchestration.config import DEFAULT_CONFIG, AppConfig
+            from evospec.orchestration.local import free_port, local_service
+            cfg = AppConfig.from_yaml(DEFAULT_CONFIG).model_copy(
                 update={"grpc_port": free_port(), "http_port": free_port()})
             address = stack.enter_context(local_service(cfg))
         results = sweep(address, args.methods, args.concurrency, args.requests_per_level, args.output_len,

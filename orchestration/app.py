@@ -1,39 +1,55 @@
 """Typed config -> the Serve application (one builder), plus `app_builder` for `serve run` / `serve deploy`.
 
-    serve run orchestration.app:app_builder config=orchestration/configs/cpu-tiny.yaml
+    serve run evospec.orchestration.app:app_builder config=cpu-tiny.yaml
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from ray.serve import Application
 
-from orchestration.config import AppConfig
+from evospec.orchestration.config import CONFIG_DIR, AppConfig
+from evospec.services.config import ReplicaConfig
+from evospec.services.draft.deployment import DraftDeployment
+from evospec.services.target.deployment import TargetDeployment
 
 # Serve's gRPC proxy must register our public service (and standard health) on its server.
 GRPC_SERVICER_FUNCTIONS = [
-    "evospec.api.evospec.v1.generate_pb2_grpc.add_GenerateServicer_to_server",
+    "evospec_client.api.v1.generate_pb2_grpc.add_GenerateServicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
 ]
 
 
+def _deployment_options(cfg: AppConfig, replica: ReplicaConfig) -> dict:
+    return dict(ray_actor_options={"num_gpus": replica.num_gpus, "num_cpus": replica.num_cpus,
+                                   "resources": dict(replica.resources)},
+                max_ongoing_requests=cfg.max_ongoing_requests,
+                graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
+                graceful_shutdown_wait_loop_s=min(2.0, cfg.graceful_shutdown_timeout_s / 2))
+
+
 def build_app(cfg: AppConfig) -> Application:
-    from services.draft.deployment import DraftDeployment
-    from services.target.deployment import TargetDeployment
-    config = cfg.model_dump(mode="json")
-    shutdown = dict(graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
-                    graceful_shutdown_wait_loop_s=min(2.0, cfg.graceful_shutdown_timeout_s / 2))
-    draft = DraftDeployment.options(
-        ray_actor_options={"num_gpus": cfg.draft.num_gpus, "num_cpus": cfg.draft.num_cpus,
-                           "resources": cfg.draft.resources},
-        max_ongoing_requests=cfg.max_ongoing_requests, **shutdown).bind(config)
-    return TargetDeployment.options(
-        ray_actor_options={"num_gpus": cfg.target.num_gpus, "num_cpus": cfg.target.num_cpus,
-                           "resources": cfg.target.resources},
-        max_ongoing_requests=cfg.max_ongoing_requests, **shutdown).bind(draft, config)
+    """Draft and Target deployments; each gets only its own config (as a JSON-able dict: Serve ships it)."""
+    draft = DraftDeployment.options(**_deployment_options(cfg, cfg.draft.replica)).bind(
+        cfg.draft.model_dump(mode="json"))
+    return TargetDeployment.options(**_deployment_options(cfg, cfg.target.replica)).bind(
+        draft, cfg.target.model_dump(mode="json"))
+
+
+def resolve_config_path(path: str) -> Path:
+    """A path as given, else a file of orchestration/configs/ (so installed packages find their YAMLs)."""
+    given = Path(path)
+    if given.exists():
+        return given
+    packaged = CONFIG_DIR / given.name
+    if packaged.exists():
+        return packaged
+    raise FileNotFoundError(f"config {path} not found (nor {packaged})")
 
 
 def app_builder(args: dict) -> Application:
     """Serve app builder: `config=<yaml>` and/or inline overrides of AppConfig fields."""
     args = dict(args)
     path = args.pop("config", None)
-    base = AppConfig.from_yaml(path).model_dump() if path else {}
+    base = AppConfig.from_yaml(resolve_config_path(path)).model_dump() if path else {}
     return build_app(AppConfig(**{**base, **args}))

@@ -4,39 +4,46 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import get_args
+
+from evospec.config import (METHODS, DType, ModelConfig, SamplingParams, SpecParams, TreeParams, TreeShape,
+                            VocabParams, validated)
 
 DEMO_QUESTION = "Is a high body mass index associated with worse outcomes after surgery for colorectal cancer?"
+# The demo samples by default (lossless rejection sampling, reproducible with the seed): the tiny pair is a statistical
+# stand-in trained for half an hour on CPU, and under greedy decoding it tends to loop on "</think>". Everything else
+# defaults to the core types (evospec/config.py).
+DEMO_SAMPLING = SamplingParams(max_tokens=96, temperature=0.8, top_p=0.9, seed=0)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
+    model = ModelConfig()
     p.add_argument("--draft", help="draft HF folder (default: the embedded tiny pair)")
     p.add_argument("--target", help="target HF folder (default: the embedded tiny pair)")
     p.add_argument("--static-vocab", help="static vocabulary artifact (default: the committed Spec-Bench 32k)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=model.device)
+    p.add_argument("--dtype", default=model.dtype, choices=get_args(DType))
 
 
 def add_request_args(p: argparse.ArgumentParser) -> None:
-    # Default: seeded sampling (lossless rejection sampling, reproducible). The tiny pair is a statistical stand-in
-    # trained for half an hour on CPU; under greedy decoding it tends to loop on "</think>".
+    s, spec = DEMO_SAMPLING, SpecParams()
     p.add_argument("--prompt", default=DEMO_QUESTION, help="user message (chat template applied)")
-    p.add_argument("--method", default="evospec", choices=["ar", "sd", "frspec", "evospec"])
-    p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-p", type=float, default=0.9)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tree", default="chain", choices=["chain", "tree"])
-    p.add_argument("--num-draft-tokens", type=int, default=4)
-    p.add_argument("--depth", type=int, default=4)
-    p.add_argument("--branching", type=int, default=2)
-    p.add_argument("--budget", type=int, default=8)
-    p.add_argument("--static-size", type=int, default=32768)
-    p.add_argument("--dynamic-size", type=int, default=256)
+    p.add_argument("--method", default=spec.method, choices=METHODS)
+    p.add_argument("--max-tokens", type=int, default=s.max_tokens)
+    p.add_argument("--temperature", type=float, default=s.temperature, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=s.top_p)
+    p.add_argument("--top-k", type=int, default=s.top_k)
+    p.add_argument("--seed", type=int, default=s.seed)
+    p.add_argument("--tree", default=spec.tree.shape, choices=get_args(TreeShape))
+    p.add_argument("--num-draft-tokens", type=int, default=spec.tree.num_draft_tokens)
+    p.add_argument("--depth", type=int, default=spec.tree.depth)
+    p.add_argument("--branching", type=int, default=spec.tree.branching)
+    p.add_argument("--budget", type=int, default=spec.tree.budget)
+    p.add_argument("--static-size", type=int, default=spec.vocab.static_size)
+    p.add_argument("--dynamic-size", type=int, default=spec.vocab.dynamic_size)
 
 
-def request_from_args(args) -> tuple:
-    from evospec.config import SamplingParams, SpecParams, TreeParams, VocabParams, validated
+def request_from_args(args) -> tuple[SamplingParams, SpecParams]:
     sampling = validated(SamplingParams, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                          top_k=args.top_k, seed=args.seed)
     tree = validated(TreeParams, shape=args.tree, num_draft_tokens=args.num_draft_tokens, depth=args.depth,
@@ -49,10 +56,11 @@ def cmd_demo_in_process(args) -> int:
     import time
 
     from evospec.loading import load_pair
-    from evospec.report import print_stats
-    pair = load_pair(args.draft, args.target, args.static_vocab, args.device, args.dtype)
-    sampling, spec = request_from_args(args)
+    from evospec.orchestration.report import print_stats
     from evospec.tokenizer import chat_prompt_ids
+    pair = load_pair(ModelConfig(path=args.draft, device=args.device, dtype=args.dtype),
+                     ModelConfig(path=args.target, device=args.device, dtype=args.dtype), args.static_vocab)
+    sampling, spec = request_from_args(args)
     prompt_ids = chat_prompt_ids(pair.tokenizer, [{"role": "user", "content": args.prompt}])
     print(f"[{spec.method}] {args.prompt}\n")
     start = time.perf_counter()
@@ -61,8 +69,7 @@ def cmd_demo_in_process(args) -> int:
         print(pair.tokenizer.decode(chunk.token_ids), end="", flush=True)
     elapsed = time.perf_counter() - start
     print(f"\n\n(finish: {gen.finish_reason})")
-    stats = {"method": spec.method, **gen.stats.as_dict(),
-             "tokens_per_second": round(gen.stats.generated_tokens / elapsed, 1)}
+    stats = {"method": spec.method, **gen.stats.as_dict(), "tokens_per_second": gen.stats.generated_tokens / elapsed}
     print_stats(stats)
     return 0
 
@@ -90,11 +97,11 @@ def cmd_demo(args) -> int:
     """Start the decoupled service locally, stream one medical answer through the SDK, print stats, shut down."""
     if args.in_process:
         return cmd_demo_in_process(args)
-    from client import EvoSpecClient
-    from evospec.report import print_stats
-    from orchestration.config import CONFIG_DIR, AppConfig
-    from orchestration.local import free_port, local_service
-    cfg = AppConfig.from_yaml(args.config or CONFIG_DIR / "cpu-tiny.yaml")
+    from evospec_client import EvoSpecClient
+    from evospec.orchestration.report import print_stats
+    from evospec.orchestration.config import DEFAULT_CONFIG, AppConfig
+    from evospec.orchestration.local import free_port, local_service
+    cfg = AppConfig.from_yaml(args.config or DEFAULT_CONFIG)
     cfg = cfg.model_copy(update={"grpc_port": free_port(), "http_port": free_port()})
     print(f"starting Ray Serve app '{cfg.app_name}': Draft and Target deployments (gRPC stream between them)...",
           flush=True)
@@ -103,8 +110,7 @@ def cmd_demo(args) -> int:
         print(f"service up on {address}: target={info.get('target_model')} draft={info.get('draft_model')}\n")
         print(f"[{args.method}] {args.prompt}\n")
         stats = print_stream(client.stream(**client_request_kwargs(args)))
-        stats["tokens_per_second"] = round(stats.get("generated_tokens", 0) / max(stats.get("e2e_seconds", 1e-9),
-                                                                                 1e-9), 1)
+        stats["tokens_per_second"] = stats.get("generated_tokens", 0) / max(stats.get("e2e_seconds", 1e-9), 1e-9)
         print_stats(stats, title="speculative decoding (decoupled, via Ray Serve + gRPC)")
     print("service shut down.")
     return 0
@@ -113,9 +119,9 @@ def cmd_demo(args) -> int:
 def cmd_serve(args) -> int:
     import signal
     import threading
-    from orchestration.config import CONFIG_DIR, AppConfig
-    from orchestration.local import local_service
-    cfg = AppConfig.from_yaml(args.config or CONFIG_DIR / "cpu-tiny.yaml")
+    from evospec.orchestration.config import DEFAULT_CONFIG, AppConfig
+    from evospec.orchestration.local import local_service
+    cfg = AppConfig.from_yaml(args.config or DEFAULT_CONFIG)
     if args.grpc_port:
         cfg = cfg.model_copy(update={"grpc_port": args.grpc_port})
     stop = threading.Event()
@@ -130,9 +136,9 @@ def cmd_serve(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from client import EvoSpecClient
-    from client.errors import EvoSpecClientError
-    from evospec.report import print_stats
+    from evospec_client import EvoSpecClient
+    from evospec_client.errors import EvoSpecClientError
+    from evospec.orchestration.report import print_stats
     with EvoSpecClient(args.server, timeout=args.timeout) as client:
         try:
             stats = print_stream(client.stream(**client_request_kwargs(args)))
@@ -172,13 +178,14 @@ def cmd_vocab(args) -> int:
 
 
 BENCH_SUITES = ("v1", "grid", "random", "decoupled")
-PASSTHROUGH = {"loadtest": "loadtest.run", "loadtest-sweep": "loadtest.sweep", "train-tiny": "evospec.tiny_pair.train"}
+PASSTHROUGH = {"loadtest": "evospec.loadtest.run", "loadtest-sweep": "evospec.loadtest.sweep",
+               "train-tiny": "evospec.tiny_pair.train"}
 
 
 def passthrough_module(argv: list[str]) -> str | None:
     """The module whose own `main(argv)` handles this command line, if any."""
     if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCH_SUITES:
-        return f"bench.{argv[1]}"
+        return f"evospec.bench.{argv[1]}"
     return PASSTHROUGH.get(argv[0]) if argv else None
 
 

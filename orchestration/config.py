@@ -1,55 +1,35 @@
-"""Typed service configuration (pydantic). YAML files in orchestration/configs/ load into `AppConfig`."""
+"""The application config: the two deployments' configs plus Serve-level settings. YAML files in
+orchestration/configs/ load into `AppConfig` (every one is validated by tests/unit/test_configs.py)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from evospec.config import SpecParams, TreeParams, VocabParams
+from evospec.services.config import DraftServiceConfig, TargetServiceConfig
 
-
-class ModelSpec(BaseModel):
-    """path None = the embedded tiny pair. Resources are Ray actor options of the model's deployment."""
-    model_config = ConfigDict(extra="forbid")
-    path: str | None = None
-    device: str = "auto"  # auto = cuda when available, else cpu
-    dtype: str = "auto"  # auto = bfloat16 on cuda, float32 on cpu
-    num_gpus: float = 1.0
-    num_cpus: float = 1.0
-    resources: dict[str, float] = Field(default_factory=dict)  # e.g. {draft_slot: 1} to pin to a node
-    # CPU threads for torch in the replica. Ray sets OMP_NUM_THREADS from num_cpus (1 when num_cpus is 0), which
-    # silently halves CPU speed on a 2-core box; None keeps Ray's choice.
-    torch_threads: int | None = None
+CONFIG_DIR = Path(__file__).parent / "configs"
+DEFAULT_CONFIG = CONFIG_DIR / "cpu-tiny.yaml"
 
 
 class AppConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid")
     app_name: str = "evospec"
-    draft: ModelSpec = ModelSpec()
-    target: ModelSpec = ModelSpec()
-    static_vocab: str | None = None  # None = the committed Spec-Bench 32k artifact
-    cooc: str | None = None  # None = the committed PubMedQA co-occurrence index
-    max_model_len: int | None = None
-    default_spec: SpecParams = SpecParams(method="evospec", tree=TreeParams(shape="chain", num_draft_tokens=4),
-                                          vocab=VocabParams(static_size=32768, dynamic_size=256))
-    max_ongoing_requests: int = 128  # Serve's default 5 collapses streaming throughput
-    max_concurrent_generations: int = 64  # beyond this the target answers RESOURCE_EXHAUSTED
-    internal_host: str | None = None  # address the draft's stream server binds/advertises; None = Ray node IP
-    internal_timeout_s: float = 600.0  # deadline of each draft<->target stream
-    graceful_shutdown_timeout_s: float = 5.0
-    grpc_port: int = 9000
-    http_port: int = 8000
+    draft: DraftServiceConfig = DraftServiceConfig()
+    target: TargetServiceConfig = TargetServiceConfig()
+    max_ongoing_requests: int = Field(128, ge=1)  # per replica; Serve's default 5 collapses streaming throughput
+    graceful_shutdown_timeout_s: float = Field(5.0, gt=0)
+    grpc_port: int = Field(9000, ge=0, le=65535)  # 0 = any free port (local runner)
+    http_port: int = Field(8000, ge=0, le=65535)
+
+    @model_validator(mode="after")
+    def _same_static_vocabulary(self) -> "AppConfig":
+        if self.draft.static_vocab != self.target.static_vocab:
+            raise ValueError(f"draft.static_vocab ({self.draft.static_vocab}) and target.static_vocab "
+                             f"({self.target.static_vocab}) must name the same artifact")
+        return self
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "AppConfig":
         return cls(**(yaml.safe_load(Path(path).read_text()) or {}))
-
-
-CONFIG_DIR = Path(__file__).parent / "configs"
-
-
-def apply_torch_threads(threads: int | None) -> None:
-    if threads:
-        import torch
-        torch.set_num_threads(threads)

@@ -16,7 +16,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-from orchestration.config import AppConfig
+from evospec.orchestration.config import AppConfig
 
 
 def free_port() -> int:
@@ -54,7 +54,7 @@ def serve_app(cfg: AppConfig, deploy_timeout_s: float = 300.0) -> Iterator[str]:
     from ray.serve.config import HTTPOptions, gRPCOptions
     from ray.serve.schema import LoggingConfig
 
-    from orchestration.app import GRPC_SERVICER_FUNCTIONS, build_app
+    from evospec.orchestration.app import GRPC_SERVICER_FUNCTIONS, build_app
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # keep the driver's console for our output
     grpc_port = cfg.grpc_port or free_port()
     serve.start(http_options=HTTPOptions(host="127.0.0.1", port=cfg.http_port or free_port()),

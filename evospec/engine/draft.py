@@ -25,7 +25,7 @@ from evospec.tree import DraftTree
 from evospec.verify import VerifyResult
 from evospec.vocab.policy import SessionVocab, VocabPolicy
 from evospec.vocab.retrieval import TargetFeedback
-from kernels.tree import chain_then_tree_mask
+from evospec.kernels.tree import chain_then_tree_mask
 
 
 @dataclass

@@ -7,13 +7,26 @@ candidates (it alone sees full-vocabulary logits) and the draft side applies buf
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
+from evospec.config import SamplingParams, SpecParams
 from evospec.engine.draft import DraftEngine, DraftSession
 from evospec.engine.stats import SpecStats
 from evospec.engine.target import VerifiedStep
 from evospec.tree import DraftTree
 from evospec.vocab.retrieval import TargetFeedback, target_feedback
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """What opening a draft session for one generation needs."""
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    spec: SpecParams
+    max_len: int  # tokens the session may commit: prompt + max_tokens + one tree + 2
+    seed: int  # the draft's own generator seed (evospec.config.draft_seed of the request's)
 
 
 class Drafter(Protocol):
@@ -22,6 +35,9 @@ class Drafter(Protocol):
     def observe(self, verified: VerifiedStep, stats: SpecStats) -> None: ...
 
     def close(self) -> None: ...
+
+
+DrafterFactory = Callable[[DraftRequest], Drafter]
 
 
 def feedback_for(verified: VerifiedStep, in_active, with_candidates: bool, stats: SpecStats) -> TargetFeedback:

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from evospec.config import SamplingParams, SpecParams
+from evospec.config import SamplingParams, SpecParams, draft_seed
 from evospec.engine.draft import DraftEngine
-from evospec.engine.drafter import Drafter, LocalDrafter, NoDrafter
+from evospec.engine.drafter import Drafter, DrafterFactory, DraftRequest, LocalDrafter, NoDrafter
 from evospec.engine.stats import SpecStats
 from evospec.engine.target import TargetEngine
 from evospec.errors import InvalidRequestError
@@ -58,6 +58,7 @@ class SpeculativeDecoder:
     def __init__(self, target: Qwen3, draft: Qwen3 | None = None, static_ids: torch.Tensor | None = None,
                  max_model_len: int | None = None, eos_ids: tuple[int, ...] | None = None,
                  cooc: CoocIndex | None = None):
+        """eos_ids: the ids generation stops on (evospec.loading.stop_token_ids); None = the config's eos id."""
         self.target = TargetEngine(target)
         self.draft = DraftEngine(draft) if draft is not None else None
         self.policies = VocabPolicies(draft.head_weight if draft is not None else None, static_ids, cooc)
@@ -86,27 +87,28 @@ class SpeculativeDecoder:
                 self.policies.get(spec)  # built once per server and method, before the first request needs it
 
     def generate(self, prompt_ids: list[int], sampling: SamplingParams, spec: SpecParams,
-                 drafter_factory: Callable[[list[int], SamplingParams, SpecParams, int, int], Drafter] | None = None
-                 ) -> Generation:
+                 drafter_factory: DrafterFactory | None = None) -> Generation:
         """Validates eagerly (raises InvalidRequestError), then returns a lazy Generation.
 
-        drafter_factory(prompt_ids, sampling, spec, max_len, seed) replaces the in-process draft (the decoupled
-        service passes one that talks to the draft replica)."""
+        drafter_factory replaces the in-process draft (the decoupled service passes one that opens a stream to the
+        draft replica)."""
         self.validate(prompt_ids, sampling, spec, remote_draft=drafter_factory is not None)
-        seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
+        seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little")
         gen = Generation(iter(()), SpecStats(prompt_tokens=len(prompt_ids)))
         gen.steps = self._run(gen, list(prompt_ids), sampling, spec, seed, drafter_factory or self.local_drafter)
         return gen
 
-    def local_drafter(self, prompt_ids, sampling, spec, max_len, seed) -> Drafter:
-        policy = self.policies.get(spec)
-        session = self.draft.start(prompt_ids, sampling, spec.tree, policy, max_len, seed + 1)
+    def local_drafter(self, request: DraftRequest) -> Drafter:
+        policy = self.policies.get(request.spec)
+        session = self.draft.start(request.prompt_ids, request.sampling, request.spec.tree, policy, request.max_len,
+                                   request.seed)
         return LocalDrafter(self.draft, session)
 
     def _run(self, gen: Generation, prompt_ids, sampling, spec, seed, drafter_factory) -> Iterator[Chunk]:
         max_len = len(prompt_ids) + sampling.max_tokens + spec.tree.max_nodes + 2
         target_session = self.target.start(prompt_ids, sampling, max_len, seed)
-        drafter = NoDrafter() if spec.method == "ar" else drafter_factory(prompt_ids, sampling, spec, max_len, seed)
+        drafter = NoDrafter() if spec.method == "ar" else \
+            drafter_factory(DraftRequest(prompt_ids, sampling, spec, max_len, draft_seed(seed)))
         try:
             while True:
                 t0 = time.perf_counter()

@@ -1,7 +1,12 @@
-"""Per-request speculative-decoding statistics (vLLM's counter names and meanings where they exist)."""
+"""Per-request speculative-decoding statistics (vLLM's counter names and meanings where they exist).
+
+The definition of record is the public proto message `evospec.v1.SpecStats` (proto/evospec/v1/generate.proto, where
+each field is documented); this accumulator has exactly its fields except the three the service adds (ttft_seconds,
+e2e_seconds, method), and tests/unit/test_stats.py fails when the two drift. Conversions are by field name.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -45,11 +50,5 @@ class SpecStats:
         return self.misses / self.verified_positions if self.verified_positions else 0.0
 
     def as_dict(self) -> dict:
-        return {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
-                "accepted_per_pos": list(self.accepted_per_pos), "tau": round(self.tau, 4),
-                "alpha": round(self.alpha, 4), "generated_tokens": self.generated_tokens,
-                "prompt_tokens": self.prompt_tokens, "draft_seconds": round(self.draft_seconds, 6),
-                "verify_seconds": round(self.verify_seconds, 6),
-                "draft_head_seconds": round(self.draft_head_seconds, 6), "misses": self.misses,
-                "miss_rate": round(self.miss_rate, 4), "buffer_updates": self.buffer_updates,
-                "buffer_update_seconds": round(self.buffer_update_seconds, 6)}
+        """Every statistic, measured and derived, by its proto field name."""
+        return {**asdict(self), "tau": self.tau, "alpha": self.alpha, "miss_rate": self.miss_rate}

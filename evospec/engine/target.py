@@ -15,7 +15,7 @@ from evospec.model import KVCache, Qwen3
 from evospec.sampling import logits_to_probs
 from evospec.tree import DraftTree
 from evospec.verify import VerifyResult, verify_greedy, verify_stochastic
-from kernels.tree import chain_then_tree_mask, chain_then_tree_positions
+from evospec.kernels.tree import chain_then_tree_mask, chain_then_tree_positions
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from kernels.kv import compact_kv
+from evospec.kernels.kv import compact_kv
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,11 @@ def hf_config(shape: dict) -> dict:
             "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "float32", **shape}
 
 
+# Qwen3's own generation_config.json: generation stops on <|im_end|> or <|endoftext|>.
+GENERATION_CONFIG = {"bos_token_id": 151643, "eos_token_id": [151645, 151643], "pad_token_id": 151643}
+FOLDER_FORMAT = 2  # bump when the expanded folder's contents change (2: generation_config.json)
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("EVOSPEC_CACHE", Path.home() / ".cache" / "evospec"))
 
@@ -36,8 +41,8 @@ def ensure_hf_folders() -> tuple[Path, Path]:
         if not src.exists():
             raise FileNotFoundError(f"{src} missing: run `python -m evospec.tiny_pair.train` to produce the tiny pair")
         digest = hashlib.sha1(src.read_bytes()).hexdigest()[:12]
-        folder = cache_dir() / f"tiny-{name}-{digest}"
+        folder = cache_dir() / f"tiny-{name}-{digest}-f{FOLDER_FORMAT}"
         if not (folder / "model.safetensors").exists():
-            expand_compact(src, folder, hf_config(shape))
+            expand_compact(src, folder, hf_config(shape), GENERATION_CONFIG)
         out.append(folder)
     return out[0], out[1]

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from evospec.tokenizer import qwen3_tokenizer_dir
 
 
-def expand_compact(src: Path, folder: Path, config: dict) -> None:
+def expand_compact(src: Path, folder: Path, config: dict, generation_config: dict) -> None:
     compact = load_file(str(src))
     seen_ids = compact.pop("seen_token_ids").long()
     embed = compact.pop("model.embed_tokens.weight").float()
@@ -24,6 +24,7 @@ def expand_compact(src: Path, folder: Path, config: dict) -> None:
     tmp = Path(tempfile.mkdtemp(dir=folder.parent))  # write then rename: concurrent first uses never see half a folder
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    (tmp / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
     for f in qwen3_tokenizer_dir().iterdir():
         if f.is_file():
             shutil.copy(f, tmp / f.name)

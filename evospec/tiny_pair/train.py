@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from evospec.tokenizer import QWEN3_VOCAB_ROWS, chat_special_token_ids, load_tokenizer
 from evospec.tiny_pair import WEIGHTS_DIR, TARGET_SHAPE, DRAFT_SHAPE, hf_config
-from evospec.tiny_pair.corpus import icd10_descriptions, kjv_verses, medical_chat, spec_bench_prompts, split_pubmedqa
+from evospec.datasets import icd10_descriptions, kjv_verses, medical_chat, spec_bench_prompts, split_pubmedqa
 
 
 def build_documents(tokenizer) -> tuple[list[str], list[str]]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.pruned_head import gather_head_rows, pruned_logits
+from evospec.kernels.pruned_head import gather_head_rows, pruned_logits
 
 
 @dataclass

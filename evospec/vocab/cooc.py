@@ -45,7 +45,7 @@ def build_cooc(docs: list[list[int]], long_tail: np.ndarray, window: int = 16, p
 
 def build_pubmedqa_cooc(out: Path, static_artifact: Path, small_static: int = 8192) -> None:
     """The default index: PubMedQA training split (held-out benchmark items excluded), long tail = ∉ S_8k."""
-    from evospec.tiny_pair.corpus import split_pubmedqa
+    from evospec.datasets import split_pubmedqa
     from evospec.tokenizer import QWEN3_VOCAB_ROWS, load_tokenizer
     from evospec.vocab.static import StaticVocab
     tok = load_tokenizer()

@@ -22,19 +22,11 @@ import torch
 from tqdm import tqdm
 
 FORMAT = "evospec.static_vocab/v1"
-DEFAULT_SIZES = (8192, 16384, 32768)
-
-
 @dataclass
 class StaticVocab:
     token_ids: list[int]  # ranked, most frequent first
     counts: list[int]
     meta: dict = field(default_factory=dict)
-
-    def top(self, k: int) -> torch.Tensor:
-        if k > len(self.token_ids):
-            raise ValueError(f"static vocabulary has {len(self.token_ids)} ids, {k} requested")
-        return torch.tensor(self.token_ids[:k], dtype=torch.long)
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -150,7 +142,12 @@ def export_sglang_token_map(vocab: StaticVocab, path: Path, size: int | None = N
 
 def import_sglang_token_map(path: Path, vocab_size: int) -> StaticVocab:
     """Read an SGLang token map safely (weights_only=True) and validate it. Its order is kept as the ranking."""
-    data = torch.load(str(path), weights_only=True)
+    import pickle
+    try:
+        data = torch.load(str(path), weights_only=True)
+    except pickle.UnpicklingError as e:  # weights_only refuses arbitrary objects (and the code they would run)
+        raise ValueError(f"{path}: not a token map (a list of ints or an int tensor); refused to unpickle it: "
+                         f"{str(e).splitlines()[0]}") from None
     if isinstance(data, torch.Tensor):
         data = data.tolist()
     validate_token_ids(data, vocab_size, source=str(path))

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import grpc
 
-from evospec.errors import InvalidRequestError, OverloadedError, SessionNotFoundError
+from evospec.errors import InvalidRequestError, OverloadedError
 
 STATUS_OF = {InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
              OverloadedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
-             SessionNotFoundError: grpc.StatusCode.NOT_FOUND,
              TimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED}
 
 

@@ -5,21 +5,21 @@ exercised on CPU. Ray lives in a private temp dir and is shut down with ray.shut
 """
 import pytest
 
-from orchestration.config import CONFIG_DIR, AppConfig
-from orchestration.local import free_port, local_ray, serve_app
+from evospec.orchestration.config import DEFAULT_CONFIG, AppConfig
+from evospec.orchestration.local import free_port, local_ray, serve_app
 
 
 @pytest.fixture(scope="session")
 def service():
-    cfg = AppConfig.from_yaml(CONFIG_DIR / "cpu-tiny.yaml")
-    cfg = cfg.model_copy(update={"grpc_port": free_port(), "http_port": free_port(), "max_concurrent_generations": 64})
+    cfg = AppConfig.from_yaml(DEFAULT_CONFIG)
+    cfg = cfg.model_copy(update={"grpc_port": free_port(), "http_port": free_port()})
     with local_ray(num_cpus=4), serve_app(cfg) as address:
         yield address, cfg
 
 
 @pytest.fixture(scope="session")
 def client(service):
-    from client import EvoSpecClient
+    from evospec_client import EvoSpecClient
     with EvoSpecClient(service[0], timeout=120) as c:
         c.wait_ready(timeout=120)
         yield c

@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from loadtest.datasets import build_requests, load_prompts
-from loadtest.run import main as loadtest_main
-from loadtest.run import run_load, summarize
-from loadtest.sweep import plot, sweep, table
+from evospec.loadtest.datasets import build_requests, load_prompts
+from evospec.loadtest.run import main as loadtest_main
+from evospec.loadtest.run import run_load, summarize
+from evospec.loadtest.sweep import plot, sweep, table
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

@@ -5,7 +5,7 @@ import time
 import grpc
 import pytest
 
-from client import InvalidArgument
+from evospec_client import InvalidArgument
 from evospec.config import SamplingParams, SpecParams
 from evospec.tokenizer import chat_prompt_ids
 

@@ -4,7 +4,7 @@ import torch
 
 from evospec.config import SamplingParams, SpecParams, TreeParams
 from evospec.engine.generate import SpeculativeDecoder
-from helpers import random_pair
+from evospec.testing import random_pair
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -7,7 +7,7 @@ import torch
 from evospec.config import SamplingParams, SpecParams, TreeParams, validated
 from evospec.engine.generate import SpeculativeDecoder
 from evospec.errors import InvalidRequestError
-from helpers import random_pair
+from evospec.testing import random_pair
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_status_codes_mapping():
     import grpc
 
     from evospec.errors import OverloadedError
-    from services.common.errors import status_for
+    from evospec.services.common.errors import status_for
     assert status_for(InvalidRequestError("x", "y")) == grpc.StatusCode.INVALID_ARGUMENT
     assert status_for(OverloadedError("busy")) == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert status_for(TimeoutError()) == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -97,7 +97,7 @@ def test_draft_stream_errors_keep_their_status():
 
     import grpc
 
-    from services.common.errors import status_for
-    from services.target.remote_draft import DraftStreamError
+    from evospec.services.common.errors import status_for
+    from evospec.services.target.remote_draft import DraftStreamError
     err = pickle.loads(pickle.dumps(DraftStreamError("draft: gone", "UNAVAILABLE")))
     assert status_for(err) == grpc.StatusCode.UNAVAILABLE and str(err) == "draft: gone"

@@ -7,9 +7,9 @@ import torch
 from evospec.config import SamplingParams, SpecParams, TreeParams
 from evospec.engine.generate import SpeculativeDecoder
 from evospec.sampling import logits_to_probs
-from helpers import random_pair
-from kernels.tree import chain_then_tree_mask
-from test_sampling_distribution import chi_square_p
+from evospec.testing import random_pair
+from evospec.kernels.tree import chain_then_tree_mask
+from evospec.testing import chi_square_p
 
 VOCAB = 8
 PROMPT = [2, 5, 3]

@@ -10,7 +10,7 @@ from evospec.vocab.dynamic import DynamicBuffer
 from evospec.vocab.policy import EvoSpecPolicy, EvoSpecSettings
 from evospec.vocab.retrieval import (TARGET_PRIORITY, CoocIndex, ExactEmbeddingIndex, StatisticalRetriever,
                                      target_feedback)
-from helpers import random_pair
+from evospec.testing import random_pair
 
 
 def test_buffer_fills_free_slots_then_evicts_weakest_after_residency():

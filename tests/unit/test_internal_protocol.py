@@ -1,41 +1,58 @@
 """The draft<->target stream on a plain gRPC server (no Ray): a generation whose draft runs behind the stream is
-identical to the in-process one (greedy and seeded sampling), including EvoSpec buffer updates and misses."""
+identical to the in-process one (greedy and seeded sampling), including EvoSpec buffer updates and misses; and the
+transport-free TargetServer streams the same tokens and statistics as typed events."""
+import asyncio
 import time
 
-import grpc
 import pytest
 import torch
 
 from evospec.config import SamplingParams, SpecParams, TreeParams
 from evospec.engine.draft import DraftEngine
 from evospec.engine.generate import SpeculativeDecoder
+from evospec.services.draft.server import DraftServer
+from evospec.services.draft.servicer import start_draft_server
+from evospec.services.target.remote_draft import DraftStreamError, RemoteDraftPool
+from evospec.services.target.server import DraftSide, FinishedEvent, GenerateRequest, Prompt, TargetServer
+from evospec.testing import random_pair
 from evospec.vocab.registry import VocabPolicies
-from helpers import random_pair
-from services.draft.servicer import DraftServicer, start_draft_server
-from services.target.remote_draft import RemoteDrafter
 
 VOCAB = 96
 STATIC = torch.arange(0, VOCAB, 3)  # 32 ids: many misses, so the buffer works
+COUNTED = ("steps", "drafted", "accepted", "accepted_per_pos", "generated_tokens", "misses", "verified_positions",
+           "buffer_updates")
+
+
+def pool_for(address: str, sha: str) -> RemoteDraftPool:
+    async def resolve() -> str:
+        return address
+    pool = RemoteDraftPool(resolve, sha, timeout_s=30)
+    asyncio.run(pool.connect())
+    return pool
 
 
 @pytest.fixture(scope="module")
 def setup():
     target, draft = random_pair(vocab=VOCAB, seed=9, eos=1)
     local = SpeculativeDecoder(target, draft, static_ids=STATIC)
-    servicer = DraftServicer(DraftEngine(draft), VocabPolicies(draft.head_weight, STATIC), "sha")
-    server, port = start_draft_server(servicer, "127.0.0.1")
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    draft_server = DraftServer(DraftEngine(draft), VocabPolicies(draft.head_weight, STATIC), "sha")
+    grpc_server, port = start_draft_server(draft_server, "127.0.0.1")
+    pool = pool_for(f"127.0.0.1:{port}", "sha")
     remote_only = SpeculativeDecoder(target, None, static_ids=STATIC)
-    yield local, remote_only, channel, servicer
-    channel.close()
-    server.stop(grace=None)
+    yield local, remote_only, pool, draft_server, port
+    pool.close()
+    grpc_server.stop(grace=None)
 
 
-def remote_factory(channel, static_ids):
-    def make(prompt, sampling, spec, max_len, seed):
-        layout = VocabPolicies(None, static_ids).layout(spec)
-        return RemoteDrafter(channel, "req-1", prompt, sampling, spec, max_len, seed, layout, VOCAB, "sha", 30)
-    return make
+def remote_factory(pool: RemoteDraftPool, decoder: SpeculativeDecoder, session_id: str = "req-1"):
+    return lambda request: pool.open(session_id, request, decoder.policies.layout(request.spec), VOCAB)
+
+
+def wait_closed(draft_server: DraftServer) -> None:
+    deadline = time.monotonic() + 10  # the draft frees the session when it sees the stream end (asynchronously)
+    while draft_server.num_sessions() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert draft_server.num_sessions() == 0
 
 
 CASES = [
@@ -50,27 +67,66 @@ CASES = [
 @pytest.mark.parametrize("tree", [TreeParams(shape="chain", num_draft_tokens=3),
                                   TreeParams(shape="tree", depth=3, branching=2, budget=7)], ids=["chain", "tree"])
 def test_remote_equals_local(setup, method, sampling, tree):
-    local, remote_only, channel, servicer = setup
+    local, remote_only, pool, draft_server, _ = setup
     spec = SpecParams(method=method, tree=tree, vocab={"static_size": 32, "dynamic_size": 8})
     a = local.generate([4, 50, 51, 7], sampling, spec)
-    b = remote_only.generate([4, 50, 51, 7], sampling, spec, drafter_factory=remote_factory(channel, STATIC))
+    b = remote_only.generate([4, 50, 51, 7], sampling, spec, drafter_factory=remote_factory(pool, remote_only))
     list(a), list(b)
     assert b.output_ids == a.output_ids
-    for key in ("steps", "drafted", "accepted", "misses", "buffer_updates"):
+    for key in COUNTED:
         assert getattr(b.stats, key) == getattr(a.stats, key), key
-    deadline = time.monotonic() + 10  # the draft frees the session when it sees the stream end (asynchronously)
-    while servicer.num_sessions() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert servicer.num_sessions() == 0
+    assert b.stats.draft_head_seconds > 0  # measured on the draft side, reported over the stream
+    if method == "evospec":
+        assert b.stats.buffer_update_seconds > 0
+    wait_closed(draft_server)
 
 
 def test_mismatched_static_vocabulary_is_refused(setup):
-    _, remote_only, channel, _ = setup
-    def make(prompt, sampling, spec, max_len, seed):
-        layout = VocabPolicies(None, STATIC).layout(spec)
-        return RemoteDrafter(channel, "req-2", prompt, sampling, spec, max_len, seed, layout, VOCAB, "other", 30)
-    gen = remote_only.generate([4, 5], SamplingParams(max_tokens=4), SpecParams(method="frspec",
-                                                                                 vocab={"static_size": 32}),
-                               drafter_factory=make)
-    with pytest.raises(Exception, match="different static vocabularies"):
+    _, remote_only, _, draft_server, port = setup
+    other = pool_for(f"127.0.0.1:{port}", "other")
+    gen = remote_only.generate([4, 5], SamplingParams(max_tokens=4),
+                               SpecParams(method="frspec", vocab={"static_size": 32}),
+                               drafter_factory=remote_factory(other, remote_only, "req-2"))
+    with pytest.raises(DraftStreamError, match="different static vocabularies"):
         list(gen)
+    other.close()
+    wait_closed(draft_server)
+
+
+class IdsTokenizer:
+    """Token ids as text: the random pair has no tokenizer."""
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(map(str, ids))
+
+
+async def collect(server: TargetServer, request: GenerateRequest) -> tuple[list[int], FinishedEvent]:
+    tokens, last = [], None
+    async for event in server.generate(request):
+        if isinstance(event, FinishedEvent):
+            last = event
+        else:
+            tokens += event.token_ids
+    return tokens, last
+
+
+@pytest.mark.parametrize("method", ["ar", "frspec", "evospec"])
+def test_target_server_streams_the_engine_output(setup, method):
+    """The transport-free TargetServer over the remote pool: same tokens and counted statistics as in process."""
+    local, remote_only, pool, draft_server, _ = setup
+
+    async def nothing() -> int:
+        return 0
+    server = TargetServer(remote_only, IdsTokenizer(), DraftSide(pool, model_name=nothing, num_sessions=nothing))
+    sampling = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.7, seed=11)
+    spec = SpecParams(method=method, vocab={"static_size": 32, "dynamic_size": 8})
+    tokens, finished = asyncio.run(collect(server, GenerateRequest(Prompt(token_ids=[4, 50, 51, 7]), sampling, spec,
+                                                                   request_id="r")))
+    expected = local.generate([4, 50, 51, 7], sampling, spec)
+    list(expected)
+    assert tokens == expected.output_ids
+    assert finished.finish_reason == "length" and finished.request_id == "r" and finished.stats["method"] == method
+    for key in COUNTED:
+        assert finished.stats[key] == getattr(expected.stats, key), key
+    assert server.num_sessions() == 0
+    wait_closed(draft_server)

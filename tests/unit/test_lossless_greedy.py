@@ -4,7 +4,7 @@ import torch
 
 from evospec.config import SamplingParams, SpecParams, TreeParams
 from evospec.engine.generate import SpeculativeDecoder
-from helpers import random_pair
+from evospec.testing import random_pair
 
 TREES = [TreeParams(shape="chain", num_draft_tokens=1), TreeParams(shape="chain", num_draft_tokens=5),
          TreeParams(shape="tree", depth=4, branching=3, budget=10), TreeParams(shape="tree", depth=6, branching=2, budget=40)]

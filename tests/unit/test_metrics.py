@@ -1,6 +1,6 @@
 """Service metrics: vLLM-compatible names and the values recorded from per-request stats."""
 from evospec.engine.stats import SpecStats
-from services.common.metrics import ServiceMetrics
+from evospec.services.common.metrics import ServiceMetrics
 
 
 class Recorder:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from evospec.model import load_qwen3
-from kernels.tree import chain_then_tree_mask, chain_then_tree_positions
+from evospec.kernels.tree import chain_then_tree_mask, chain_then_tree_positions
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,27 +7,15 @@ without replacement from the draft distribution actually used, T in {0.7, 1.0}, 
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from evospec.config import SamplingParams
 from evospec.sampling import logits_to_probs, sample_without_replacement
+from evospec.testing import chi_square_p
 from evospec.tree import DraftTree
 from evospec.verify import verify_stochastic
 
 VOCAB = 6
 SAMPLES = 20_000
-
-
-def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
-    probs = probs.astype(np.float64) / probs.astype(np.float64).sum()
-    keep = probs * counts.sum() >= 5
-    obs = np.append(counts[keep], counts[~keep].sum())
-    exp = np.append(probs[keep], probs[~keep].sum()) * counts.sum()
-    exp *= obs.sum() / exp.sum()
-    if exp[-1] == 0:
-        assert obs[-1] == 0, "mass where the target has none"
-        obs, exp = obs[:-1], exp[:-1]
-    return chisquare(obs, exp).pvalue
 
 
 def make_logits(gen):

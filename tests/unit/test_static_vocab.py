@@ -7,7 +7,7 @@ import torch
 from evospec.tokenizer import chat_special_token_ids, load_tokenizer
 from evospec.vocab.static import (StaticVocab, build_static_vocab, export_sglang_token_map, import_sglang_token_map,
                                   rank_tokens)
-from orchestration.cli import main as cli
+from evospec.orchestration.cli import main as cli
 
 
 def test_rank_tokens_specials_first_then_counts_then_id_order():
@@ -56,7 +56,7 @@ def test_sglang_import_refuses_pickled_code(tmp_path):
         def __reduce__(self):
             return (print, ("pwned",))
     torch.save([Evil()], tmp_path / "evil.pt")
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="refused to unpickle"):
         import_sglang_token_map(tmp_path / "evil.pt", vocab_size=100)
 
 

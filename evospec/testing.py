@@ -1,4 +1,5 @@
-"""Tiny random Qwen3 pairs (no files, no training) for tests and the random-pair benchmark."""
+"""Test fixtures that ship with the package: tiny random Qwen3 pairs (no files, no training; also used by the
+random-pair benchmark) and the chi-square check of the statistical losslessness tests."""
 from __future__ import annotations
 
 import copy
@@ -41,3 +42,19 @@ def random_pair(vocab: int = 96, seed: int = 0, eos: int = 1, noise: float = 0.3
             if "layers.0" in name and "norm" not in name:
                 p.add_(noise * p.std() * torch.randn(p.shape, generator=g))
     return target, draft.eval().requires_grad_(False)
+
+
+def chi_square_p(counts, probs) -> float:
+    """p-value of observed `counts` against the distribution `probs` (numpy arrays of one length); cells with an
+    expected count under 5 are pooled. Mass observed where `probs` has none fails at once."""
+    import numpy as np
+    from scipy.stats import chisquare  # a dev dependency: only tests call this
+    probs = probs.astype(np.float64) / probs.astype(np.float64).sum()
+    keep = probs * counts.sum() >= 5
+    obs = np.append(counts[keep], counts[~keep].sum())
+    exp = np.append(probs[keep], probs[~keep].sum()) * counts.sum()
+    exp *= obs.sum() / exp.sum()
+    if exp[-1] == 0:
+        assert obs[-1] == 0, "mass where the target has none"
+        obs, exp = obs[:-1], exp[:-1]
+    return chisquare(obs, exp).pvalue

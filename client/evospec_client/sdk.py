@@ -1,6 +1,6 @@
 """EvoSpec Serve client SDK: sync and async clients over the public gRPC API.
 
-    from client import EvoSpecClient
+    from evospec_client import EvoSpecClient
     with EvoSpecClient("127.0.0.1:9000") as c:
         for delta in c.stream(messages=[{"role": "user", "content": "Is aspirin useful after a stroke?"}]):
             print(delta.text, end="")
@@ -11,6 +11,7 @@ generation that started is never silently replayed).
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -18,9 +19,9 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from client.errors import Unavailable, from_rpc_error
-from evospec.api.evospec.v1 import generate_pb2 as pb
-from evospec.api.evospec.v1 import generate_pb2_grpc as pb_grpc
+from evospec_client.errors import Unavailable, from_rpc_error
+from evospec_client.api.v1 import generate_pb2 as pb
+from evospec_client.api.v1 import generate_pb2_grpc as pb_grpc
 
 
 @dataclass
@@ -156,10 +157,11 @@ class EvoSpecClient:
 
 
 class AsyncEvoSpecClient:
-    """asyncio twin of EvoSpecClient (same arguments, `async for` streaming)."""
+    """asyncio twin of EvoSpecClient: same constructor and call arguments, same retry rule, `async for` streaming."""
 
-    def __init__(self, address: str, timeout: float = 120.0, app_name: str = "evospec"):
-        self.timeout = timeout
+    def __init__(self, address: str, timeout: float = 120.0, app_name: str = "evospec", retries: int = 3,
+                 backoff_s: float = 0.5):
+        self.address, self.timeout, self.retries, self.backoff_s = address, timeout, retries, backoff_s
         self.metadata = (("application", app_name),)
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = pb_grpc.GenerateStub(self._channel)
@@ -175,18 +177,38 @@ class AsyncEvoSpecClient:
 
     async def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs
                      ) -> AsyncIterator[Delta]:
-        call = self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout or self.timeout,
-                                   metadata=self.metadata)
-        try:
-            async for msg in call:
-                yield _delta(msg)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
-        finally:
-            call.cancel()
+        """Stream a generation. kwargs: see `build_request`. Raises evospec_client errors on failure."""
+        request = build_request(prompt, **kwargs)
+        for attempt in range(self.retries + 1):
+            call = self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self.metadata)
+            started = False
+            try:
+                async for msg in call:
+                    started = True
+                    yield _delta(msg)
+                return
+            except grpc.RpcError as err:
+                error = from_rpc_error(err)
+                if isinstance(error, Unavailable) and not started and attempt < self.retries:
+                    await asyncio.sleep(self.backoff_s * 2**attempt)
+                    continue
+                raise error from None
+            finally:
+                call.cancel()
 
     async def generate(self, prompt: str | None = None, **kwargs) -> Completion:
         return _collect([d async for d in self.stream(prompt, **kwargs)])
+
+    async def generate_once(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs
+                            ) -> Completion:
+        """Unary GenerateOnce RPC."""
+        request = build_request(prompt, **kwargs)
+        try:
+            msg = await self._stub.GenerateOnce(request, timeout=timeout or self.timeout, metadata=self.metadata)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        d = _delta(msg)
+        return Completion(d.token_ids, d.text, d.finish_reason, d.stats, d.request_id)
 
     async def info(self, timeout: float = 10.0) -> dict:
         try:
@@ -194,3 +216,14 @@ class AsyncEvoSpecClient:
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
         return MessageToDict(msg, preserving_proto_field_name=True)
+
+    async def wait_ready(self, timeout: float = 60.0) -> dict:
+        """Poll Info until the service answers (or raise Unavailable)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return await self.info(timeout=5.0)
+            except Unavailable:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)

@@ -1,7 +1,7 @@
 """EvoSpec Serve client SDK (sync and async)."""
-from client.errors import (Cancelled, DeadlineExceeded, EvoSpecClientError, InternalError, InvalidArgument, NotFound,
+from evospec_client.errors import (Cancelled, DeadlineExceeded, EvoSpecClientError, InternalError, InvalidArgument, NotFound,
                            ResourceExhausted, Unavailable)
-from client.sdk import AsyncEvoSpecClient, Completion, Delta, EvoSpecClient, build_request
+from evospec_client.sdk import AsyncEvoSpecClient, Completion, Delta, EvoSpecClient, build_request
 
 __all__ = ["AsyncEvoSpecClient", "Cancelled", "Completion", "DeadlineExceeded", "Delta", "EvoSpecClient",
            "EvoSpecClientError", "InternalError", "InvalidArgument", "NotFound", "ResourceExhausted", "Unavailable",

@@ -1,6 +1,6 @@
 """Text corpora from ../shared/data (PubMedQA, Spec-Bench) and two public-domain PyPI packages (ICD-10-CM, KJV).
 
-Used by the tiny-pair trainer, `evospec vocab build` examples and the benchmarks' prompt sets.
+Used by the tiny-pair trainer, the co-occurrence index, the benchmarks' prompt sets and the load tests.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def shared_data_dir() -> Path:
     env = os.environ.get("EVOSPEC_DATA_DIR")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[3] / "shared" / "data"
+    return Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def pubmedqa_items(data_dir: Path | None = None) -> list[dict]:

@@ -1,0 +1,44 @@
+"""Typed configuration of the two deployments. Each deployment receives only its own part; defaults of requests
+and models come from the core types (evospec/config.py); the application config (orchestration/config.py) composes
+these two with the Serve-level settings.
+"""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from evospec.config import ModelConfig, SpecParams
+
+# Largest internal gRPC message (a sampled tree carries a draft distribution over A per expanded node).
+INTERNAL_MAX_MESSAGE_BYTES = 64 << 20
+INTERNAL_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", INTERNAL_MAX_MESSAGE_BYTES),
+                            ("grpc.max_send_message_length", INTERNAL_MAX_MESSAGE_BYTES)]
+
+
+class ReplicaConfig(BaseModel):
+    """Ray actor options of a deployment's replicas. Production asks one GPU each; on a CPU-only machine the local
+    runner starts Ray with logical GPUs so the same placement schedules. resources pins to nodes, e.g.
+    {draft_slot: 1} with `ray start --resources='{"draft_slot": 1}'`."""
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    num_gpus: float = Field(1.0, ge=0)
+    num_cpus: float = Field(1.0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict)
+
+
+class DraftServiceConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    model: ModelConfig = ModelConfig()
+    replica: ReplicaConfig = ReplicaConfig()
+    static_vocab: str | None = None  # None = the committed Spec-Bench 32k artifact (must be the target's too)
+    cooc: str | None = None  # None = the committed PubMedQA co-occurrence index
+    internal_host: str | None = None  # address the speculation stream server binds and advertises; None = node IP
+
+
+class TargetServiceConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    model: ModelConfig = ModelConfig()
+    replica: ReplicaConfig = ReplicaConfig()
+    static_vocab: str | None = None  # None = the committed Spec-Bench 32k artifact (must be the draft's too)
+    max_model_len: int | None = Field(None, ge=2)  # None = the model's max_position_embeddings
+    default_spec: SpecParams = SpecParams()  # what a request that names no method/shape/sizes gets
+    max_concurrent_generations: int = Field(64, ge=1)  # beyond this the target answers RESOURCE_EXHAUSTED
+    internal_timeout_s: float = Field(600.0, gt=0)  # deadline of each draft<->target stream

@@ -1,0 +1,107 @@
+"""gRPC front of the target server: the public `evospec.v1.Generate` service. It converts protos to the server's
+typed request and its events back to protos, and maps errors to status codes; nothing else."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+
+from evospec.config import SamplingParams, SpecParams, TreeParams, VocabParams, validated
+from evospec.errors import InvalidRequestError
+from evospec.services.common.errors import set_status
+from evospec.services.target.server import (ChatMessage, FinishedEvent, GenerateRequest, Prompt, ServerInfo,
+                                            TargetServer)
+from evospec_client.api.v1 import generate_pb2 as pb
+
+
+def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
+    values = {"top_k": p.top_k, "ignore_eos": p.ignore_eos}
+    for name in ("max_tokens", "temperature", "top_p", "seed"):
+        if p.HasField(name):
+            values[name] = getattr(p, name)
+    try:
+        return validated(SamplingParams, **values)
+    except InvalidRequestError as e:
+        raise InvalidRequestError(f"sampling.{e.field}", e.message) from None
+
+
+def spec_from_proto(p: pb.SpecParams, defaults: SpecParams) -> SpecParams:
+    """Fields the request leaves unset take the server's defaults."""
+    tree = defaults.tree.model_dump()
+    if p.tree.shape:
+        tree["shape"] = p.tree.shape
+    for name in ("num_draft_tokens", "depth", "branching", "budget"):
+        if p.tree.HasField(name):
+            tree[name] = getattr(p.tree, name)
+    vocab = defaults.vocab.model_dump()
+    for name in ("static_size", "dynamic_size"):
+        if p.HasField(name):
+            vocab[name] = getattr(p, name)
+    if p.retrieval:
+        vocab["retrieval"] = tuple(p.retrieval)
+    try:
+        return validated(SpecParams, method=p.method or defaults.method,
+                         tree=validated(TreeParams, **tree), vocab=validated(VocabParams, **vocab))
+    except InvalidRequestError as e:
+        raise InvalidRequestError(f"spec.{e.field}", e.message) from None
+
+
+def prompt_from_proto(req: pb.GenerateRequest) -> Prompt:
+    kind = req.WhichOneof("input")
+    if kind is None:
+        raise InvalidRequestError("input", "set one of prompt, prompt_token_ids or chat")
+    if kind == "prompt":
+        return Prompt(text=req.prompt)
+    if kind == "prompt_token_ids":
+        return Prompt(token_ids=list(req.prompt_token_ids.ids))
+    return Prompt(messages=[ChatMessage(m.role, m.content) for m in req.chat.messages],
+                  enable_thinking=req.chat.enable_thinking)
+
+
+def request_from_proto(req: pb.GenerateRequest, default_spec: SpecParams) -> GenerateRequest:
+    return GenerateRequest(prompt_from_proto(req), sampling_from_proto(req.sampling),
+                           spec_from_proto(req.spec, default_spec), req.request_id)
+
+
+def stats_to_proto(stats: dict) -> pb.SpecStats:
+    return pb.SpecStats(**stats)
+
+
+def info_to_proto(info: ServerInfo) -> pb.InfoResponse:
+    return pb.InfoResponse(**asdict(info))
+
+
+class GrpcFront:
+    """The RPCs of evospec.v1.Generate over a TargetServer (the Serve deployment forwards its methods here)."""
+
+    def __init__(self, server: TargetServer):
+        self.server = server
+
+    async def _responses(self, request: pb.GenerateRequest, grpc_context) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            typed = request_from_proto(request, self.server.default_spec)
+            async for event in self.server.generate(typed):
+                if isinstance(event, FinishedEvent):
+                    yield pb.GenerateResponse(request_id=event.request_id, finish_reason=event.finish_reason,
+                                              stats=stats_to_proto(event.stats))
+                else:
+                    yield pb.GenerateResponse(request_id=event.request_id, token_ids=event.token_ids, text=event.text)
+        except Exception as exc:
+            if grpc_context is not None:
+                set_status(grpc_context, exc)
+            raise
+
+    async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
+        async for response in self._responses(request, grpc_context):
+            yield response
+
+    async def GenerateOnce(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
+        token_ids, last = [], None
+        async for response in self._responses(request, grpc_context):
+            token_ids.extend(response.token_ids)
+            last = response
+        return pb.GenerateResponse(request_id=last.request_id, token_ids=token_ids,
+                                   text=self.server.tokenizer.decode(token_ids), finish_reason=last.finish_reason,
+                                   stats=last.stats)
+
+    async def Info(self, request: pb.InfoRequest, grpc_context=None) -> pb.InfoResponse:
+        return info_to_proto(await self.server.info())
