@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from evospec_client.errors import Unavailable, from_rpc_error
+from evospec_client.errors import DeadlineExceeded, NotFound, Unavailable, from_rpc_error
 from evospec_client.api.v1 import generate_pb2 as pb
 from evospec_client.api.v1 import generate_pb2_grpc as pb_grpc
 
@@ -145,12 +145,13 @@ class EvoSpecClient:
         return MessageToDict(msg, preserving_proto_field_name=True)
 
     def wait_ready(self, timeout: float = 60.0) -> dict:
-        """Poll Info until the service answers (or raise Unavailable)."""
+        """Poll Info until the service answers; after `timeout`, raise the last error (Unavailable, NotFound or
+        DeadlineExceeded: what a service that is still deploying answers)."""
         deadline = time.monotonic() + timeout
         while True:
             try:
                 return self.info(timeout=5.0)
-            except Unavailable:
+            except (Unavailable, NotFound, DeadlineExceeded):  # deploying: no app yet, or its replica still loading
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.5)
@@ -218,12 +219,13 @@ class AsyncEvoSpecClient:
         return MessageToDict(msg, preserving_proto_field_name=True)
 
     async def wait_ready(self, timeout: float = 60.0) -> dict:
-        """Poll Info until the service answers (or raise Unavailable)."""
+        """Poll Info until the service answers; after `timeout`, raise the last error (Unavailable, NotFound or
+        DeadlineExceeded: what a service that is still deploying answers)."""
         deadline = time.monotonic() + timeout
         while True:
             try:
                 return await self.info(timeout=5.0)
-            except Unavailable:
+            except (Unavailable, NotFound, DeadlineExceeded):  # deploying: no app yet, or its replica still loading
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.5)

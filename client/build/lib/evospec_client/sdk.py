@@ -1,0 +1,231 @@
+"""EvoSpec Serve client SDK: sync and async clients over the public gRPC API.
+
+    from evospec_client import EvoSpecClient
+    with EvoSpecClient("127.0.0.1:9000") as c:
+        for delta in c.stream(messages=[{"role": "user", "content": "Is aspirin useful after a stroke?"}]):
+            print(delta.text, end="")
+        print(delta.stats)          # the last delta carries finish_reason and per-request speculative stats
+
+Every call has a deadline (`timeout`). Retries: only UNAVAILABLE, and only before the first response arrived (a
+generation that started is never silently replayed).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from evospec_client.errors import DeadlineExceeded, NotFound, Unavailable, from_rpc_error
+from evospec_client.api.v1 import generate_pb2 as pb
+from evospec_client.api.v1 import generate_pb2_grpc as pb_grpc
+
+
+@dataclass
+class Delta:
+    """One streamed message: new token ids and text; finish_reason and stats on the last one."""
+    token_ids: list[int]
+    text: str
+    finish_reason: str = ""
+    stats: dict = field(default_factory=dict)
+    request_id: str = ""
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: dict
+    request_id: str
+
+
+def build_request(prompt: str | None = None, messages: list[dict] | None = None,
+                  prompt_token_ids: list[int] | None = None, *, enable_thinking: bool = False,
+                  max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
+                  top_k: int = 0, seed: int | None = None, ignore_eos: bool = False, method: str = "",
+                  tree: dict | None = None, static_size: int | None = None, dynamic_size: int | None = None,
+                  retrieval: list[str] | None = None, request_id: str = "") -> pb.GenerateRequest:
+    given = [x is not None for x in (prompt, messages, prompt_token_ids)]
+    if sum(given) != 1:
+        raise ValueError("pass exactly one of prompt, messages or prompt_token_ids")
+    sampling = pb.SamplingParams(top_k=top_k, ignore_eos=ignore_eos)
+    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("seed", seed)):
+        if value is not None:
+            setattr(sampling, name, value)
+    spec = pb.SpecParams(method=method, tree=pb.TreeParams(**(tree or {})), retrieval=retrieval or [])
+    if static_size is not None:
+        spec.static_size = static_size
+    if dynamic_size is not None:
+        spec.dynamic_size = dynamic_size
+    req = pb.GenerateRequest(request_id=request_id, sampling=sampling, spec=spec)
+    if prompt is not None:
+        req.prompt = prompt
+    elif prompt_token_ids is not None:
+        req.prompt_token_ids.ids.extend(prompt_token_ids)
+    else:
+        req.chat.CopyFrom(pb.Chat(messages=[pb.ChatMessage(**m) for m in messages], enable_thinking=enable_thinking))
+    return req
+
+
+def _delta(msg: pb.GenerateResponse) -> Delta:
+    stats = MessageToDict(msg.stats, preserving_proto_field_name=True,
+                          always_print_fields_with_no_presence=True) if msg.HasField("stats") else {}
+    return Delta(list(msg.token_ids), msg.text, msg.finish_reason, stats, msg.request_id)
+
+
+def _collect(deltas) -> Completion:
+    ids, text, last = [], [], None
+    for d in deltas:
+        ids += d.token_ids
+        text.append(d.text)
+        last = d
+    return Completion(ids, "".join(text), last.finish_reason, last.stats, last.request_id)
+
+
+class EvoSpecClient:
+    def __init__(self, address: str, timeout: float = 120.0, app_name: str = "evospec", retries: int = 3,
+                 backoff_s: float = 0.5):
+        self.address, self.timeout, self.retries, self.backoff_s = address, timeout, retries, backoff_s
+        self.metadata = (("application", app_name),)
+        self._channel = grpc.insecure_channel(address)
+        self._stub = pb_grpc.GenerateStub(self._channel)
+
+    def __enter__(self) -> "EvoSpecClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs) -> Iterator[Delta]:
+        """Stream a generation. kwargs: see `build_request`. Raises client.errors.* on failure."""
+        request = build_request(prompt, **kwargs)
+        for attempt in range(self.retries + 1):
+            call = self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self.metadata)
+            started = False
+            try:
+                for msg in call:
+                    started = True
+                    yield _delta(msg)
+                return
+            except grpc.RpcError as err:
+                error = from_rpc_error(err)
+                if isinstance(error, Unavailable) and not started and attempt < self.retries:
+                    time.sleep(self.backoff_s * 2**attempt)
+                    continue
+                raise error from None
+            finally:
+                call.cancel()  # no-op when finished; frees server state when the caller stops early
+
+    def generate(self, prompt: str | None = None, **kwargs) -> Completion:
+        """The whole answer (streamed underneath, so the server's per-token path is the same)."""
+        return _collect(self.stream(prompt, **kwargs))
+
+    def generate_once(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs) -> Completion:
+        """Unary GenerateOnce RPC."""
+        request = build_request(prompt, **kwargs)
+        try:
+            msg = self._stub.GenerateOnce(request, timeout=timeout or self.timeout, metadata=self.metadata)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        d = _delta(msg)
+        return Completion(d.token_ids, d.text, d.finish_reason, d.stats, d.request_id)
+
+    def info(self, timeout: float = 10.0) -> dict:
+        try:
+            msg = self._stub.Info(pb.InfoRequest(), timeout=timeout, metadata=self.metadata)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        return MessageToDict(msg, preserving_proto_field_name=True)
+
+    def wait_ready(self, timeout: float = 60.0) -> dict:
+        """Poll Info until the service answers; after `timeout`, raise the last error (Unavailable, NotFound or
+        DeadlineExceeded: what a service that is still deploying answers)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.info(timeout=5.0)
+            except (Unavailable, NotFound, DeadlineExceeded):  # deploying: no app yet, or its replica still loading
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+
+class AsyncEvoSpecClient:
+    """asyncio twin of EvoSpecClient: same constructor and call arguments, same retry rule, `async for` streaming."""
+
+    def __init__(self, address: str, timeout: float = 120.0, app_name: str = "evospec", retries: int = 3,
+                 backoff_s: float = 0.5):
+        self.address, self.timeout, self.retries, self.backoff_s = address, timeout, retries, backoff_s
+        self.metadata = (("application", app_name),)
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = pb_grpc.GenerateStub(self._channel)
+
+    async def __aenter__(self) -> "AsyncEvoSpecClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs
+                     ) -> AsyncIterator[Delta]:
+        """Stream a generation. kwargs: see `build_request`. Raises evospec_client errors on failure."""
+        request = build_request(prompt, **kwargs)
+        for attempt in range(self.retries + 1):
+            call = self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self.metadata)
+            started = False
+            try:
+                async for msg in call:
+                    started = True
+                    yield _delta(msg)
+                return
+            except grpc.RpcError as err:
+                error = from_rpc_error(err)
+                if isinstance(error, Unavailable) and not started and attempt < self.retries:
+                    await asyncio.sleep(self.backoff_s * 2**attempt)
+                    continue
+                raise error from None
+            finally:
+                call.cancel()
+
+    async def generate(self, prompt: str | None = None, **kwargs) -> Completion:
+        return _collect([d async for d in self.stream(prompt, **kwargs)])
+
+    async def generate_once(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs
+                            ) -> Completion:
+        """Unary GenerateOnce RPC."""
+        request = build_request(prompt, **kwargs)
+        try:
+            msg = await self._stub.GenerateOnce(request, timeout=timeout or self.timeout, metadata=self.metadata)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        d = _delta(msg)
+        return Completion(d.token_ids, d.text, d.finish_reason, d.stats, d.request_id)
+
+    async def info(self, timeout: float = 10.0) -> dict:
+        try:
+            msg = await self._stub.Info(pb.InfoRequest(), timeout=timeout, metadata=self.metadata)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        return MessageToDict(msg, preserving_proto_field_name=True)
+
+    async def wait_ready(self, timeout: float = 60.0) -> dict:
+        """Poll Info until the service answers; after `timeout`, raise the last error (Unavailable, NotFound or
+        DeadlineExceeded: what a service that is still deploying answers)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return await self.info(timeout=5.0)
+            except (Unavailable, NotFound, DeadlineExceeded):  # deploying: no app yet, or its replica still loading
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
