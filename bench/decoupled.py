@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from evospec.bench.prompts import PROMPT_SETS
-from evospec.config import SamplingParams, SpecParams
+from evospec.config import METHODS, SamplingParams, SpecParams
 from evospec.loading import load_pair
 from evospec.tokenizer import chat_prompt_ids
 
@@ -24,12 +24,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--methods", nargs="+", default=["ar", "sd", "frspec", "evospec"])
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--out", type=Path, default=Path("results/bench_decoupled"))
     args = ap.parse_args(argv)
-    from evospec_client import EvoSpecClient
     from evospec.orchestration.config import DEFAULT_CONFIG, AppConfig
     from evospec.orchestration.local import free_port, local_service
+    from evospec_client import EvoSpecClient
 
     pair = load_pair()
     convs = PROMPT_SETS["medical"](args.prompts)

@@ -1,7 +1,7 @@
 """Benchmark prompt sets: medical (held-out PubMedQA questions), general (Spec-Bench), topic-switch (both)."""
 from __future__ import annotations
 
-from evospec.datasets import split_pubmedqa, spec_bench_prompts
+from evospec.datasets import spec_bench_prompts, split_pubmedqa
 
 
 def medical_prompts(n: int) -> list[list[dict]]:

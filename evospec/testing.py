@@ -58,3 +58,19 @@ def chi_square_p(counts, probs) -> float:
         assert obs[-1] == 0, "mass where the target has none"
         obs, exp = obs[:-1], exp[:-1]
     return chisquare(obs, exp).pvalue
+
+
+def exact_two_token_joint(target: Qwen3, prompt: list[int], sampling):
+    """p(x1, x2 | prompt) as a numpy array [vocab * vocab], by enumeration with the target alone: the reference the
+    statistical tests compare speculative sampling against."""
+    import numpy as np
+
+    from evospec.kernels.tree import chain_then_tree_mask
+    from evospec.sampling import logits_to_probs
+
+    def next_probs(ids):
+        cache = target.new_cache(len(ids))
+        h = target(torch.tensor(ids), torch.arange(len(ids)), cache, chain_then_tree_mask(0, len(ids), None))
+        return logits_to_probs(target.full_logits(h)[-1:], sampling)[0].double().numpy()
+    p1 = next_probs(prompt)
+    return np.concatenate([p1[x] * next_probs(prompt + [x]) for x in range(target.cfg.vocab_size)])

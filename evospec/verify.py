@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from evospec.tree import DraftTree
 from evospec.kernels.pruned_head import scatter_to_full_vocab
+from evospec.tree import DraftTree
 
 
 @dataclass(frozen=True)

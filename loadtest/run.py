@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from evospec_client import AsyncEvoSpecClient, EvoSpecClientError
 from evospec.loadtest.datasets import LoadRequest, build_requests, load_prompts
+from evospec_client import AsyncEvoSpecClient, EvoSpecClientError
 
 
 @dataclass

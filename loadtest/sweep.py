@@ -15,6 +15,7 @@ import contextlib
 import json
 from pathlib import Path
 
+from evospec.config import METHODS
 from evospec.loadtest.datasets import build_requests, load_prompts
 from evospec.loadtest.run import run_load, summarize
 
@@ -69,7 +70,7 @@ def plot(results: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--server", help="a running service; default: start the tiny-pair service locally")
-    ap.add_argument("--methods", nargs="+", default=["ar", "sd", "frspec", "evospec"])
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     ap.add_argument("--requests-per-level", type=int, default=2)
     ap.add_argument("--output-len", type=int, default=32)

@@ -6,8 +6,17 @@ import sys
 from pathlib import Path
 from typing import get_args
 
-from evospec.config import (METHODS, DType, ModelConfig, SamplingParams, SpecParams, TreeParams, TreeShape,
-                            VocabParams, validated)
+from evospec.config import (
+    METHODS,
+    DType,
+    ModelConfig,
+    SamplingParams,
+    SpecParams,
+    TreeParams,
+    TreeShape,
+    VocabParams,
+    validated,
+)
 
 DEMO_QUESTION = "Is a high body mass index associated with worse outcomes after surgery for colorectal cancer?"
 # The demo samples by default (lossless rejection sampling, reproducible with the seed): the tiny pair is a statistical
@@ -97,10 +106,10 @@ def cmd_demo(args) -> int:
     """Start the decoupled service locally, stream one medical answer through the SDK, print stats, shut down."""
     if args.in_process:
         return cmd_demo_in_process(args)
-    from evospec_client import EvoSpecClient
-    from evospec.orchestration.report import print_stats
     from evospec.orchestration.config import DEFAULT_CONFIG, AppConfig
     from evospec.orchestration.local import free_port, local_service
+    from evospec.orchestration.report import print_stats
+    from evospec_client import EvoSpecClient
     cfg = AppConfig.from_yaml(args.config or DEFAULT_CONFIG)
     cfg = cfg.model_copy(update={"grpc_port": free_port(), "http_port": free_port()})
     print(f"starting Ray Serve app '{cfg.app_name}': Draft and Target deployments (gRPC stream between them)...",
@@ -119,6 +128,7 @@ def cmd_demo(args) -> int:
 def cmd_serve(args) -> int:
     import signal
     import threading
+
     from evospec.orchestration.config import DEFAULT_CONFIG, AppConfig
     from evospec.orchestration.local import local_service
     cfg = AppConfig.from_yaml(args.config or DEFAULT_CONFIG)
@@ -136,9 +146,9 @@ def cmd_serve(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    from evospec.orchestration.report import print_stats
     from evospec_client import EvoSpecClient
     from evospec_client.errors import EvoSpecClientError
-    from evospec.orchestration.report import print_stats
     with EvoSpecClient(args.server, timeout=args.timeout) as client:
         try:
             stats = print_stream(client.stream(**client_request_kwargs(args)))
@@ -151,8 +161,7 @@ def cmd_generate(args) -> int:
 
 def cmd_vocab(args) -> int:
     from evospec.tokenizer import load_tokenizer
-    from evospec.vocab.static import (StaticVocab, build_static_vocab, export_sglang_token_map,
-                                      import_sglang_token_map)
+    from evospec.vocab.static import StaticVocab, build_static_vocab, export_sglang_token_map, import_sglang_token_map
     if args.vocab_cmd == "build":
         tok = load_tokenizer(args.tokenizer)
         vocab = build_static_vocab(tok, [Path(p) for p in args.corpus], tuple(args.field), args.size)

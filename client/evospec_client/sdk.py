@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from evospec_client.errors import DeadlineExceeded, NotFound, Unavailable, from_rpc_error
 from evospec_client.api.v1 import generate_pb2 as pb
 from evospec_client.api.v1 import generate_pb2_grpc as pb_grpc
+from evospec_client.errors import DeadlineExceeded, NotFound, Unavailable, from_rpc_error
 
 
 @dataclass

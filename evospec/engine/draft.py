@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 import torch
 
 from evospec.config import SamplingParams, TreeParams
+from evospec.kernels.tree import chain_then_tree_mask
 from evospec.model import KVCache, Qwen3
 from evospec.sampling import logits_to_probs, sample_without_replacement
 from evospec.tree import DraftTree
 from evospec.verify import VerifyResult
 from evospec.vocab.policy import SessionVocab, VocabPolicy
 from evospec.vocab.retrieval import TargetFeedback
-from evospec.kernels.tree import chain_then_tree_mask
 
 
 @dataclass

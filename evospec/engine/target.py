@@ -11,11 +11,11 @@ from dataclasses import dataclass
 import torch
 
 from evospec.config import SamplingParams
+from evospec.kernels.tree import chain_then_tree_mask, chain_then_tree_positions
 from evospec.model import KVCache, Qwen3
 from evospec.sampling import logits_to_probs
 from evospec.tree import DraftTree
 from evospec.verify import VerifyResult, verify_greedy, verify_stochastic
-from evospec.kernels.tree import chain_then_tree_mask, chain_then_tree_positions
 
 
 @dataclass

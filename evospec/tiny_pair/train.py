@@ -28,9 +28,9 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from evospec.tokenizer import QWEN3_VOCAB_ROWS, chat_special_token_ids, load_tokenizer
-from evospec.tiny_pair import WEIGHTS_DIR, TARGET_SHAPE, DRAFT_SHAPE, hf_config
 from evospec.datasets import icd10_descriptions, kjv_verses, medical_chat, spec_bench_prompts, split_pubmedqa
+from evospec.tiny_pair import DRAFT_SHAPE, TARGET_SHAPE, WEIGHTS_DIR, hf_config
+from evospec.tokenizer import QWEN3_VOCAB_ROWS, chat_special_token_ids, load_tokenizer
 
 
 def build_documents(tokenizer) -> tuple[list[str], list[str]]:
@@ -74,7 +74,8 @@ def seen_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def make_model(shape: dict, n_seen: int, seed: int):
-    from transformers import Qwen3Config as HFQwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config as HFQwen3Config
+    from transformers import Qwen3ForCausalLM
     torch.manual_seed(seed)
     cfg = HFQwen3Config(**{**hf_config(shape), "vocab_size": n_seen})
     model = Qwen3ForCausalLM(cfg)

@@ -14,8 +14,13 @@ import torch
 from evospec.verify import VerifyResult
 from evospec.vocab.active import ActiveVocab, static_vocab
 from evospec.vocab.dynamic import DynamicBuffer, SlotChange
-from evospec.vocab.retrieval import (CoocIndex, ExactEmbeddingIndex, SemanticRetriever, StatisticalRetriever,
-                                     TargetFeedback)
+from evospec.vocab.retrieval import (
+    CoocIndex,
+    ExactEmbeddingIndex,
+    SemanticRetriever,
+    StatisticalRetriever,
+    TargetFeedback,
+)
 
 
 class SessionVocab(Protocol):

@@ -8,8 +8,7 @@ from dataclasses import asdict
 from evospec.config import SamplingParams, SpecParams, TreeParams, VocabParams, validated
 from evospec.errors import InvalidRequestError
 from evospec.services.common.errors import set_status
-from evospec.services.target.server import (ChatMessage, FinishedEvent, GenerateRequest, Prompt, ServerInfo,
-                                            TargetServer)
+from evospec.services.target.server import ChatMessage, FinishedEvent, GenerateRequest, Prompt, ServerInfo, TargetServer
 from evospec_client.api.v1 import generate_pb2 as pb
 
 

@@ -1,6 +1,7 @@
 """The SDK as its own distribution: `pip install ./client` into a fresh venv (no torch, no Ray) gives a working sync
 and async client against the running service."""
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -45,7 +46,9 @@ def test_sdk_from_a_fresh_venv(service, tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
-    install = subprocess.run([str(python), "-m", "pip", "install", "-q", str(ROOT / "client"), *PINS],
+    source = shutil.copytree(ROOT / "client", tmp_path / "client",  # the build writes build/ beside its sources
+                             ignore=shutil.ignore_patterns("build", "*.egg-info"))
+    install = subprocess.run([str(python), "-m", "pip", "install", "-q", str(source), *PINS],
                              capture_output=True, text=True, timeout=480)
     assert install.returncode == 0, install.stderr[-2000:]
     installed = json.loads(subprocess.run([str(python), "-m", "pip", "list", "--format=json"], capture_output=True,

@@ -5,9 +5,9 @@ import time
 import grpc
 import pytest
 
-from evospec_client import InvalidArgument
 from evospec.config import SamplingParams, SpecParams
 from evospec.tokenizer import chat_prompt_ids
+from evospec_client import InvalidArgument
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 

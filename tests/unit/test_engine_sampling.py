@@ -6,23 +6,10 @@ import torch
 
 from evospec.config import SamplingParams, SpecParams, TreeParams
 from evospec.engine.generate import SpeculativeDecoder
-from evospec.sampling import logits_to_probs
-from evospec.testing import random_pair
-from evospec.kernels.tree import chain_then_tree_mask
-from evospec.testing import chi_square_p
+from evospec.testing import chi_square_p, exact_two_token_joint, random_pair
 
 VOCAB = 8
 PROMPT = [2, 5, 3]
-
-
-def exact_joint(target, sampling) -> np.ndarray:
-    """p(x1, x2 | prompt) [VOCAB * VOCAB] by enumeration with the target alone."""
-    def next_probs(ids):
-        cache = target.new_cache(len(ids))
-        h = target(torch.tensor(ids), torch.arange(len(ids)), cache, chain_then_tree_mask(0, len(ids), None))
-        return logits_to_probs(target.full_logits(h)[-1:], sampling)[0].double().numpy()
-    p1 = next_probs(PROMPT)
-    return np.concatenate([p1[x] * next_probs(PROMPT + [x]) for x in range(VOCAB)])
 
 
 CASES = [
@@ -50,7 +37,7 @@ def test_engine_joint_distribution(name, method, tree, sampling):
         counts[gen.output_ids[0] * VOCAB + gen.output_ids[1]] += 1
         accepted += gen.stats.accepted
     assert accepted > n * 0.2  # the draft is being used, not bypassed
-    assert chi_square_p(counts, exact_joint(target, sampling.model_copy(update={"max_tokens": 2}))) > 1e-3
+    assert chi_square_p(counts, exact_two_token_joint(target, PROMPT, sampling.model_copy(update={"max_tokens": 2}))) > 1e-3
 
 
 def test_seeded_generation_is_deterministic():

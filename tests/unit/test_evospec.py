@@ -5,12 +5,17 @@ import torch
 
 from evospec.config import SamplingParams, SpecParams, TreeParams
 from evospec.engine.generate import SpeculativeDecoder
+from evospec.testing import chi_square_p, exact_two_token_joint, random_pair
 from evospec.verify import VerifyResult
 from evospec.vocab.dynamic import DynamicBuffer
 from evospec.vocab.policy import EvoSpecPolicy, EvoSpecSettings
-from evospec.vocab.retrieval import (TARGET_PRIORITY, CoocIndex, ExactEmbeddingIndex, StatisticalRetriever,
-                                     target_feedback)
-from evospec.testing import random_pair
+from evospec.vocab.retrieval import (
+    TARGET_PRIORITY,
+    CoocIndex,
+    ExactEmbeddingIndex,
+    StatisticalRetriever,
+    target_feedback,
+)
 
 
 def test_buffer_fills_free_slots_then_evicts_weakest_after_residency():
@@ -135,19 +140,18 @@ def test_evospec_greedy_identical(pair, retrieval, tree):
 
 @pytest.mark.slow
 def test_evospec_sampling_distribution():
-    from test_engine_sampling import PROMPT, VOCAB, exact_joint
-    from test_sampling_distribution import chi_square_p
-    target, draft = random_pair(vocab=VOCAB, seed=7, eos=0, noise=0.5)
+    vocab, prompt = 8, [2, 5, 3]
+    target, draft = random_pair(vocab=vocab, seed=7, eos=0, noise=0.5)
     dec = SpeculativeDecoder(target, draft, static_ids=torch.tensor([0, 2, 4]))
     spec = SpecParams(method="evospec", tree=TreeParams(shape="tree", depth=2, branching=2, budget=6),
                       vocab={"static_size": 3, "dynamic_size": 2})
     sampling = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
-    counts = np.zeros(VOCAB * VOCAB)
+    counts = np.zeros(vocab * vocab)
     for seed in range(3000):
-        gen = dec.generate(PROMPT, sampling.model_copy(update={"seed": seed}), spec)
+        gen = dec.generate(prompt, sampling.model_copy(update={"seed": seed}), spec)
         list(gen)
-        counts[gen.output_ids[0] * VOCAB + gen.output_ids[1]] += 1
-    assert chi_square_p(counts, exact_joint(target, sampling)) > 1e-3
+        counts[gen.output_ids[0] * vocab + gen.output_ids[1]] += 1
+    assert chi_square_p(counts, exact_two_token_joint(target, prompt, sampling)) > 1e-3
 
 
 def test_unconfirmed_buffer_ids_are_penalized_until_the_target_confirms_them(pair):

@@ -2,10 +2,18 @@
 import pytest
 import torch
 
+from evospec.kernels import (
+    chain_then_tree_mask,
+    chain_then_tree_positions,
+    compact_kv,
+    gather_head_rows,
+    pruned_logits,
+    scatter_to_full_vocab,
+    tree_ancestor_mask,
+    tree_depths,
+)
 from evospec.tree import DraftTree
 from evospec.verify import verify_greedy
-from evospec.kernels import (chain_then_tree_mask, chain_then_tree_positions, compact_kv, gather_head_rows, pruned_logits,
-                     scatter_to_full_vocab, tree_ancestor_mask, tree_depths)
 
 #      root
 #     /    \

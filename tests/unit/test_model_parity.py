@@ -4,8 +4,8 @@ import json
 import pytest
 import torch
 
-from evospec.model import load_qwen3
 from evospec.kernels.tree import chain_then_tree_mask, chain_then_tree_positions
+from evospec.model import load_qwen3
 
 transformers = pytest.importorskip("transformers")
 

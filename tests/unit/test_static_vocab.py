@@ -4,10 +4,15 @@ import json
 import pytest
 import torch
 
-from evospec.tokenizer import chat_special_token_ids, load_tokenizer
-from evospec.vocab.static import (StaticVocab, build_static_vocab, export_sglang_token_map, import_sglang_token_map,
-                                  rank_tokens)
 from evospec.orchestration.cli import main as cli
+from evospec.tokenizer import chat_special_token_ids, load_tokenizer
+from evospec.vocab.static import (
+    StaticVocab,
+    build_static_vocab,
+    export_sglang_token_map,
+    import_sglang_token_map,
+    rank_tokens,
+)
 
 
 def test_rank_tokens_specials_first_then_counts_then_id_order():
