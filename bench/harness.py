@@ -18,10 +18,12 @@ from evospec.engine.stats import SpecStats
 
 @dataclass
 class Arm:
-    """One compared configuration. `run` (optional) replaces the in-process decoder (external peers)."""
+    """One compared configuration. `run` (optional) replaces the in-process decoder (external peers); `decoder`
+    (optional) replaces the shared one (e.g. the same target with another draft)."""
     name: str
     spec: SpecParams | None = None
     run: Callable[[list[int], SamplingParams], tuple[list[int], dict]] | None = None
+    decoder: SpeculativeDecoder | None = None
 
 
 @dataclass
@@ -34,10 +36,13 @@ class Cell:
     miss_rate: list[float] = field(default_factory=list)
     buffer_churn: list[float] = field(default_factory=list)
     update_ms_per_step: list[float] = field(default_factory=list)
+    draft_ms_per_step: list[float] = field(default_factory=list)
+    verify_ms_per_step: list[float] = field(default_factory=list)
     outputs: list[list[int]] | None = None
 
 
-METRICS = ("tokens_per_s", "tau", "alpha", "head_share", "miss_rate", "buffer_churn", "update_ms_per_step")
+METRICS = ("tokens_per_s", "tau", "alpha", "head_share", "miss_rate", "buffer_churn", "update_ms_per_step",
+           "draft_ms_per_step", "verify_ms_per_step")
 
 
 def summarize(values: list[float]) -> dict:
@@ -57,12 +62,12 @@ def run_arm(decoder: SpeculativeDecoder, arm: Arm, prompts: list[list[int]],
         if arm.run is not None:
             out, stats = arm.run(prompt, params)
         else:
-            gen = decoder.generate(prompt, params, arm.spec)
+            gen = (arm.decoder or decoder).generate(prompt, params, arm.spec)
             for _ in gen:
                 pass
             out, stats = gen.output_ids, gen.stats
-            for name in ("steps", "drafted", "accepted", "draft_seconds", "draft_head_seconds", "misses",
-                         "verified_positions", "buffer_updates", "buffer_update_seconds"):
+            for name in ("steps", "drafted", "accepted", "draft_seconds", "verify_seconds", "draft_head_seconds",
+                         "misses", "verified_positions", "buffer_updates", "buffer_update_seconds"):
                 setattr(total, name, getattr(total, name) + getattr(stats, name))
         outputs.append(out)
         generated += len(out)
@@ -73,7 +78,9 @@ def run_arm(decoder: SpeculativeDecoder, arm: Arm, prompts: list[list[int]],
                "head_share": total.draft_head_seconds / total.draft_seconds if total.draft_seconds else 0.0,
                "miss_rate": total.miss_rate,
                "buffer_churn": total.buffer_updates / total.steps if total.steps else 0.0,
-               "update_ms_per_step": 1000 * total.buffer_update_seconds / total.steps if total.steps else 0.0}
+               "update_ms_per_step": 1000 * total.buffer_update_seconds / total.steps if total.steps else 0.0,
+               "draft_ms_per_step": 1000 * total.draft_seconds / total.steps if total.steps else 0.0,
+               "verify_ms_per_step": 1000 * total.verify_seconds / total.steps if total.steps else 0.0}
     return metrics, outputs
 
 
@@ -137,7 +144,7 @@ def markdown_table(results: dict, columns=("tokens_per_s", "speedup_vs_ar", "tau
                 elif isinstance(v, bool):
                     cells.append("yes" if v else "**NO**")
                 else:
-                    cells.append(str(v) if v != "" else "–")
+                    cells.append(str(v) if v not in ("", {}) else "–")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -17,24 +17,35 @@ from evospec.loading import load_pair
 from evospec.tokenizer import chat_prompt_ids
 
 
-def hf_assisted_arm(draft_dir: Path, target_dir: Path, stop_ids: tuple[int, ...]) -> Arm:
-    """transformers' assisted generation (`assistant_model=`) on the same weights: the external peer."""
+def load_hf_models(target_dir: Path, draft_dir: Path | None, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval() if draft_dir else None
+    return target, draft
 
+
+def hf_arm(name: str, target, draft, stop_ids: tuple[int, ...]) -> Arm:
     def run(prompt: list[int], sampling: SamplingParams):
         kwargs = dict(do_sample=False) if sampling.greedy else dict(do_sample=True, temperature=sampling.temperature,
                                                                     top_p=sampling.top_p)
+        if draft is not None:
+            kwargs["assistant_model"] = draft
         with torch.inference_mode():
-            out = target.generate(torch.tensor([prompt]), assistant_model=draft, max_new_tokens=sampling.max_tokens,
+            out = target.generate(torch.tensor([prompt]), max_new_tokens=sampling.max_tokens,
                                   eos_token_id=list(stop_ids), pad_token_id=stop_ids[-1], **kwargs)
         tokens = out[0, len(prompt):].tolist()
         for i, t in enumerate(tokens):
             if t in stop_ids:
                 return tokens[:i], None
         return tokens, None
-    return Arm("hf-assisted", run=run)
+    return Arm(name, run=run)
+
+
+def hf_assisted_arm(draft_dir: Path, target_dir: Path, stop_ids: tuple[int, ...],
+                    dtype: torch.dtype = torch.float32) -> Arm:
+    """transformers' assisted generation (`assistant_model=`) on the same weights: the external peer."""
+    target, draft = load_hf_models(target_dir, draft_dir, dtype)
+    return hf_arm("hf-assisted", target, draft, stop_ids)
 
 
 def tokenize_sets(tokenizer, names: list[str], n: int) -> dict[str, list[list[int]]]:

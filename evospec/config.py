@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Literal, TypeVar, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from evospec.errors import InvalidRequestError
 
@@ -17,6 +17,7 @@ METHODS: tuple[str, ...] = get_args(Method)
 TreeShape = Literal["chain", "tree"]
 Retrieval = Literal["statistical", "semantic", "target"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+Quantize = Literal["none", "int8"]
 SEED_SPACE = 2**64  # seeds are uint64 (the public API's type and torch.Generator's range)
 
 
@@ -76,12 +77,20 @@ class SpecParams(BaseModel):
 
 class ModelConfig(BaseModel):
     """One model of the pair. path None = the embedded tiny pair. device auto = CUDA when available, else CPU;
-    dtype auto = bfloat16 on CUDA, float32 on CPU. torch_threads None = leave torch's (or Ray's) choice."""
+    dtype auto = bfloat16 on CUDA, float32 on CPU. torch_threads None = leave torch's (or Ray's) choice.
+    quantize int8 = dynamic int8 decoder layers (CPU, float32; meant for the draft, whose output is only proposed)."""
     model_config = ConfigDict(frozen=True, extra="forbid")
     path: str | None = None
     device: str = "auto"
     dtype: DType = "auto"
     torch_threads: int | None = Field(None, ge=1)
+    quantize: Quantize = "none"
+
+    @model_validator(mode="after")
+    def _int8_is_float32_cpu(self) -> "ModelConfig":
+        if self.quantize == "int8" and (self.dtype not in ("auto", "float32") or self.device.startswith("cuda")):
+            raise ValueError("quantize: int8 runs a float32 model on the CPU; set dtype float32 and device cpu")
+        return self
 
 
 def draft_seed(seed: int) -> int:

@@ -10,13 +10,16 @@ import torch
 
 from evospec.config import ModelConfig
 from evospec.engine.generate import SpeculativeDecoder
-from evospec.model import Qwen3, load_qwen3
+from evospec.model import Qwen3, load_qwen3, quantize_int8
+from evospec.modelstore.catalog import TINY, get_pair
 from evospec.tokenizer import load_tokenizer
 from evospec.vocab.retrieval import CoocIndex
 from evospec.vocab.static import StaticVocab
 
-DEFAULT_STATIC_VOCAB = Path(__file__).parent / "vocab" / "data" / "qwen3-specbench-32k.json"
-DEFAULT_COOC = Path(__file__).parent / "vocab" / "data" / "cooc-pubmedqa.safetensors"
+VOCAB_DATA = Path(__file__).parent / "vocab" / "data"
+DEFAULT_STATIC_VOCAB = VOCAB_DATA / "qwen3-specbench-32k.json"
+DEFAULT_COOC = VOCAB_DATA / "cooc-pubmedqa.safetensors"
+STORE_PREFIX = "store:"  # ModelConfig.path "store:<pair>/<role>" = a pair fetched by `evospec models fetch <pair>`
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -40,17 +43,27 @@ def apply_torch_threads(threads: int | None) -> None:
 
 
 def model_folder(cfg: ModelConfig, role: str) -> Path:
-    """The HF folder of one model of the pair ("draft" or "target"); path None = the embedded tiny pair."""
-    if cfg.path is not None:
-        return Path(cfg.path)
-    from evospec.tiny_pair import ensure_hf_folders
-    return dict(zip(("draft", "target"), ensure_hf_folders()))[role]
+    """The HF folder of one model of the pair ("draft" or "target"): a local folder, a fetched pair
+    ("store:qwen2.5-coder/target"), or the embedded tiny pair when path is None."""
+    if cfg.path is None:
+        from evospec.tiny_pair import ensure_hf_folders
+        return dict(zip(("draft", "target"), ensure_hf_folders()))[role]
+    if cfg.path.startswith(STORE_PREFIX):
+        from evospec.modelstore import fetched_folder
+        pair, _, stored_role = cfg.path.removeprefix(STORE_PREFIX).partition("/")
+        return fetched_folder(pair, stored_role or role)
+    return Path(cfg.path)
 
 
 def load_model(cfg: ModelConfig, role: str) -> tuple[Qwen3, Path]:
     folder = model_folder(cfg, role)
-    device = resolve_device(cfg.device)
-    return load_qwen3(folder, device, resolve_dtype(cfg.dtype, device)), folder
+    return load_qwen3_folder(folder, cfg.dtype, cfg.device, cfg.quantize), folder
+
+
+def load_qwen3_folder(folder: Path, dtype: str = "auto", device: str = "auto", quantize: str = "none") -> Qwen3:
+    dev = resolve_device(device)
+    model = load_qwen3(folder, dev, resolve_dtype("float32" if quantize == "int8" else dtype, dev))
+    return quantize_int8(model) if quantize == "int8" else model
 
 
 def stop_token_ids(folder: Path) -> tuple[int, ...]:
@@ -65,15 +78,23 @@ def stop_token_ids(folder: Path) -> tuple[int, ...]:
     raise ValueError(f"{folder} names no eos_token_id in generation_config.json or config.json")
 
 
+def vocab_data_path(path: str | Path | None, default: Path) -> Path:
+    """A given path, else a file of the committed evospec/vocab/data/ by that name, else `default` (None)."""
+    if path is None:
+        return default
+    given = Path(path)
+    return given if given.exists() or not (VOCAB_DATA / given.name).exists() else VOCAB_DATA / given.name
+
+
 def load_static_ids(path: str | Path | None) -> tuple[torch.Tensor, str]:
-    """Ranked static ids of the artifact (default: committed Spec-Bench 32k) and its content hash."""
-    path = Path(path) if path else DEFAULT_STATIC_VOCAB
+    """Ranked static ids of the artifact (default: committed Spec-Bench 32k for the Qwen3 tokenizer) and its hash."""
+    path = vocab_data_path(path, DEFAULT_STATIC_VOCAB)
     sha = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
     return torch.tensor(StaticVocab.load(path).token_ids), sha
 
 
 def load_cooc(path: str | Path | None) -> CoocIndex | None:
-    path = Path(path) if path else DEFAULT_COOC
+    path = vocab_data_path(path, DEFAULT_COOC)
     return CoocIndex.load(path) if path.exists() else None
 
 
@@ -84,6 +105,7 @@ class LoadedPair:
     draft_path: Path
     target_path: Path
     stop_ids: tuple[int, ...]
+    static_vocab: str  # the artifact's file name
 
 
 def load_pair(draft: ModelConfig = ModelConfig(), target: ModelConfig = ModelConfig(),
@@ -98,4 +120,20 @@ def load_pair(draft: ModelConfig = ModelConfig(), target: ModelConfig = ModelCon
     stop_ids = stop_token_ids(target_dir)
     decoder = SpeculativeDecoder(target_model, draft_model, static_ids=static_ids, max_model_len=max_model_len,
                                  eos_ids=stop_ids, cooc=load_cooc(cooc_path))
-    return LoadedPair(decoder, load_tokenizer(str(target_dir)), draft_dir, target_dir, stop_ids)
+    return LoadedPair(decoder, load_tokenizer(str(target_dir)), draft_dir, target_dir, stop_ids,
+                      vocab_data_path(static_vocab_path, DEFAULT_STATIC_VOCAB).name)
+
+
+def load_named_pair(name: str = TINY, device: str = "auto", dtype: str = "auto",
+                    draft_quantize: str = "none") -> LoadedPair:
+    """The embedded tiny pair, or a pair of the model store (fetched beforehand) with its own static vocabulary.
+    draft_quantize int8: the draft runs float32 activations over int8 decoder weights (CPU)."""
+    draft_dtype = "float32" if draft_quantize == "int8" else dtype
+    if name == TINY:
+        return load_pair(ModelConfig(device=device, dtype=draft_dtype, quantize=draft_quantize),
+                         ModelConfig(device=device, dtype=dtype))
+    spec = get_pair(name)
+    return load_pair(ModelConfig(path=f"{STORE_PREFIX}{name}/draft", device=device, dtype=draft_dtype,
+                                 quantize=draft_quantize),
+                     ModelConfig(path=f"{STORE_PREFIX}{name}/target", device=device, dtype=dtype),
+                     static_vocab_path=spec.static_vocab)

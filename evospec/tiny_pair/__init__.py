@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
+
+from evospec.cache import cache_dir
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 
@@ -26,10 +27,6 @@ def hf_config(shape: dict) -> dict:
 # Qwen3's own generation_config.json: generation stops on <|im_end|> or <|endoftext|>.
 GENERATION_CONFIG = {"bos_token_id": 151643, "eos_token_id": [151645, 151643], "pad_token_id": 151643}
 FOLDER_FORMAT = 2  # bump when the expanded folder's contents change (2: generation_config.json)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("EVOSPEC_CACHE", Path.home() / ".cache" / "evospec"))
 
 
 def ensure_hf_folders() -> tuple[Path, Path]:

@@ -49,6 +49,17 @@ def tokenizer_hash(tokenizer) -> str:
     return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
 
 
+def compare_tokenizers(a, b) -> dict:
+    """How token ids of tokenizer `a` relate to `b`'s (e.g. the real pair's vs the Qwen3 tokenizer the committed
+    artifacts were built with): a static artifact carries over only for the ids both map to the same string."""
+    va, vb = a.get_vocab(), b.get_vocab()
+    shared = va.keys() & vb.keys()
+    same = [t for t in shared if va[t] == vb[t]]
+    moved = sorted(t for t in shared if va[t] != vb[t])
+    return {"size_a": len(va), "size_b": len(vb), "same_id": len(same), "different_id": moved,
+            "only_a": sorted(va.keys() - vb.keys(), key=va.get), "only_b": sorted(vb.keys() - va.keys(), key=vb.get)}
+
+
 def iter_corpus_texts(paths: Iterable[Path], fields: tuple[str, ...]) -> Iterator[tuple[str, int]]:
     """Yields (text, bytes consumed). .jsonl rows: the given fields (a string or a list of strings); other files: lines."""
     for path in map(Path, paths):

@@ -1,4 +1,5 @@
-"""Our Qwen3 runner matches transformers.Qwen3ForCausalLM (fp32) for prefill, decode and tree forward."""
+"""Our runner matches transformers (fp32) for prefill, decode and tree forward, for both architectures it serves:
+Qwen3 (q/k norm, tied head) and Qwen2 (q/k/v biases, untied head), and greedy decoding is token-identical."""
 import json
 
 import pytest
@@ -10,20 +11,50 @@ from evospec.model import load_qwen3
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module")
-def hf_and_ours(tmp_path_factory):
-    cfg = transformers.Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                   max_position_embeddings=256, tie_word_embeddings=True, rope_theta=10000.0)
+SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0)
+
+
+def tiny_hf(arch: str):
+    if arch == "qwen3":
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SHAPE, head_dim=16, tie_word_embeddings=True))
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SHAPE, tie_word_embeddings=False))
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen2"])
+def hf_and_ours(request, tmp_path_factory):
     torch.manual_seed(0)
-    hf = transformers.Qwen3ForCausalLM(cfg).eval()
+    hf = tiny_hf(request.param).eval()
     with torch.no_grad():
         for p in hf.parameters():
-            p.add_(0.05 * torch.randn_like(p))  # non-trivial norms too
-    folder = tmp_path_factory.mktemp("qwen3")
+            p.add_(0.05 * torch.randn_like(p))  # non-trivial norms and biases too
+    folder = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(folder)
-    assert json.loads((folder / "config.json").read_text())["tie_word_embeddings"]
-    return hf, load_qwen3(folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == request.param
+    assert config["tie_word_embeddings"] == (request.param == "qwen3")
+    ours = load_qwen3(folder)
+    if request.param == "qwen2":  # the architecture differences are really exercised
+        attn = ours.layers[0].self_attn
+        assert attn.q_proj.bias is not None and ours.lm_head is not None
+        assert torch.equal(ours.head_weight, hf.lm_head.weight) and not torch.equal(ours.head_weight,
+                                                                                   hf.model.embed_tokens.weight)
+    return hf, ours
+
+
+def test_greedy_decoding_is_identical(hf_and_ours):
+    """Our plain step loop (`ar`) and transformers' greedy generate produce the same tokens."""
+    from evospec.config import SamplingParams, SpecParams
+    from evospec.engine.generate import SpeculativeDecoder
+    hf, ours = hf_and_ours
+    prompt = [5, 17, 3, 99, 42]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+    gen = SpeculativeDecoder(ours, eos_ids=(-1,)).generate(prompt, SamplingParams(max_tokens=24),
+                                                          SpecParams(method="ar"))
+    list(gen)
+    assert gen.output_ids == ref
 
 
 def hf_logits(hf, ids):
