@@ -1,9 +1,10 @@
 """Cost of decoupling: the same method and prompts in process vs through the service (Ray Serve + gRPC, draft and
 target in separate replicas), interleaved in one run.
 
-    evospec bench decoupled [--repeats 3] [--prompts 4] [--max-tokens 48]
+    evospec bench decoupled [--pair tiny|qwen2.5-coder] [--repeats 3] [--prompts 4] [--max-tokens 48]
 
-Reports tokens/s both ways, their ratio, and the added wall time per speculative step.
+Both sides load the models from the same service config (orchestration/configs/cpu-<pair>.yaml: paths, dtype,
+quantization, static vocabulary). Reports tokens/s both ways, their ratio, and the added wall time per step.
 """
 from __future__ import annotations
 
@@ -15,27 +16,31 @@ from pathlib import Path
 
 from evospec.bench.prompts import PROMPT_SETS
 from evospec.config import METHODS, SamplingParams, SpecParams
-from evospec.loading import load_pair
+from evospec.loading import apply_torch_threads, load_pair
+from evospec.modelstore.catalog import pair_names
 from evospec.tokenizer import chat_prompt_ids
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pair", default="tiny", choices=pair_names())
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--out", type=Path, default=Path("results/bench_decoupled"))
     args = ap.parse_args(argv)
-    from evospec.orchestration.config import DEFAULT_CONFIG, AppConfig
+    from evospec.orchestration.config import AppConfig, config_for_pair
     from evospec.orchestration.local import free_port, local_service
     from evospec_client import EvoSpecClient
 
-    pair = load_pair()
+    cfg = AppConfig.from_yaml(config_for_pair(args.pair)).model_copy(
+        update={"grpc_port": free_port(), "http_port": free_port()})
+    apply_torch_threads(cfg.target.model.torch_threads)
+    pair = load_pair(cfg.draft.model, cfg.target.model, static_vocab_path=cfg.target.static_vocab,
+                     max_model_len=cfg.target.max_model_len, cooc_path=cfg.draft.cooc)
     convs = PROMPT_SETS["medical"](args.prompts)
     prompts = [chat_prompt_ids(pair.tokenizer, c) for c in convs]
-    cfg = AppConfig.from_yaml(DEFAULT_CONFIG).model_copy(
-        update={"grpc_port": free_port(), "http_port": free_port()})
     rows: dict[str, dict[str, list[float]]] = {m: {"local": [], "service": [], "step_ms": []} for m in args.methods}
     with local_service(cfg) as address, EvoSpecClient(address) as client:
         client.wait_ready()

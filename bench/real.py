@@ -13,6 +13,7 @@ and the peak RSS of the process.
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import resource
 import statistics
@@ -93,7 +94,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sets", nargs="+", default=["medical", "general"])
     ap.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
+    ap.add_argument("--skip", nargs="*", default=[], help="arm names to leave out (e.g. sd-tree)")
     ap.add_argument("--no-kernels", action="store_true", help="skip the forward-cost measurement")
+    ap.add_argument("--kernels-only", action="store_true",
+                    help="only the forward-cost measurement (e.g. to compare --threads 1 and 2)")
     ap.add_argument("--out", type=Path, default=Path("results/bench_real"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -101,6 +105,12 @@ def main(argv: list[str] | None = None) -> None:
     costs = {} if args.no_kernels else {
         "target": forward_costs(pair.target_path, ["bfloat16", "float32"]),
         "draft": forward_costs(pair.draft_path, ["bfloat16", "float32", "int8"])}
+    if args.kernels_only:
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"forward_costs_threads{torch.get_num_threads()}.json"
+        path.write_text(json.dumps({"threads": torch.get_num_threads(), "forward_ms_by_new_tokens": costs}, indent=1))
+        print(json.dumps(costs, indent=1))
+        return
     arms = speculative_arms(args.shapes)
     if args.draft_quantize == "int8":  # the same method with the draft HF assisted generation uses
         plain = SpeculativeDecoder(pair.decoder.target.model, load_qwen3_folder(pair.draft_path, args.dtype),
@@ -111,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         hf_target, hf_draft = load_hf_models(pair.target_path, pair.draft_path, getattr(torch, args.dtype))
         arms = [hf_arm("hf-generate", hf_target, None, pair.stop_ids),
                 hf_arm("hf-assisted", hf_target, hf_draft, pair.stop_ids)] + arms
+    arms = [a for a in arms if a.name not in args.skip]
     sets = tokenize_sets(pair.tokenizer, args.sets, args.prompts)
     samplings = {("greedy" if t == 0 else f"T={t:g}"): SamplingParams(max_tokens=args.max_tokens, temperature=t,
                                                                       seed=None if t == 0 else 0)

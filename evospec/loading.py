@@ -11,6 +11,7 @@ import torch
 from evospec.config import ModelConfig
 from evospec.engine.generate import SpeculativeDecoder
 from evospec.model import Qwen3, load_qwen3, quantize_int8
+from evospec.model.qwen3 import calibrate_single_token_padding
 from evospec.modelstore.catalog import TINY, get_pair
 from evospec.tokenizer import load_tokenizer
 from evospec.vocab.retrieval import CoocIndex
@@ -63,7 +64,9 @@ def load_model(cfg: ModelConfig, role: str) -> tuple[Qwen3, Path]:
 def load_qwen3_folder(folder: Path, dtype: str = "auto", device: str = "auto", quantize: str = "none") -> Qwen3:
     dev = resolve_device(device)
     model = load_qwen3(folder, dev, resolve_dtype("float32" if quantize == "int8" else dtype, dev))
-    return quantize_int8(model) if quantize == "int8" else model
+    model = quantize_int8(model) if quantize == "int8" else model
+    calibrate_single_token_padding(model)
+    return model
 
 
 def stop_token_ids(folder: Path) -> tuple[int, ...]:

@@ -86,3 +86,29 @@ def test_eos_and_max_tokens_inside_accepted_path(tree):
         expected = "stop" if max_tokens > first else "length"
         assert out.finish_reason == expected
         assert len(out.output_ids) == min(first, max_tokens)
+
+
+@pytest.mark.parametrize("method", ["sd", "frspec", "evospec"])
+def test_int8_draft_is_lossless(method):
+    """A dynamically quantized (int8) draft proposes different trees, never different output."""
+    import copy
+
+    from evospec.model import quantize_int8
+    target, draft = random_pair(vocab=96, seed=3, eos=1)
+    int8_draft = quantize_int8(copy.deepcopy(draft))
+    assert int8_draft.layers[0].mlp.up_proj.__class__.__name__ == "Linear" and hasattr(
+        int8_draft.layers[0].mlp.up_proj, "_packed_params")  # really quantized
+    decoder = SpeculativeDecoder(target, int8_draft, static_ids=torch.arange(96).flip(0))
+    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
+    spec = SpecParams(method=method, tree=TreeParams(shape="tree", depth=3, branching=2, budget=6),
+                      vocab={"static_size": 48, "dynamic_size": 8})
+    ref = run(decoder, [4, 9, 16], sampling, SpecParams(method="ar"))
+    out = run(decoder, [4, 9, 16], sampling, spec)
+    assert out.output_ids == ref.output_ids and out.stats.accepted > 0
+
+
+def test_int8_needs_float32_on_cpu():
+    from evospec.config import ModelConfig
+    with pytest.raises(ValueError, match="float32"):
+        ModelConfig(dtype="bfloat16", quantize="int8")
+    assert ModelConfig(quantize="int8").dtype == "auto"

@@ -122,3 +122,24 @@ def test_bf16_load_and_forward_runs(hf_and_ours, tmp_path):
     h = model(torch.tensor([1, 2, 3]), torch.arange(3), cache, chain_then_tree_mask(0, 3, None))
     ref = hf_logits(hf, [1, 2, 3])
     assert (model.full_logits(h).argmax(-1) == ref.argmax(-1)).float().mean() >= 2 / 3
+
+
+def test_single_token_padding_changes_nothing(hf_and_ours):
+    """The padded 1-token path (chosen when a 2-row matmul is faster) gives the same logits and greedy tokens."""
+    from evospec.config import SamplingParams, SpecParams
+    from evospec.engine.generate import SpeculativeDecoder
+    _, ours = hf_and_ours
+    runs = {}
+    for pad in (False, True):
+        ours.pad_single_token = pad
+        gen = SpeculativeDecoder(ours, eos_ids=(-1,)).generate([5, 17, 3], SamplingParams(max_tokens=20),
+                                                              SpecParams(method="ar"))
+        list(gen)
+        cache = ours.new_cache(8)
+        ours(torch.tensor([5, 17]), torch.arange(2), cache, chain_then_tree_mask(0, 2, None))
+        cache.advance(2)
+        h = ours(torch.tensor([3]), torch.tensor([2]), cache, chain_then_tree_mask(2, 1, None))
+        runs[pad] = (gen.output_ids, ours.full_logits(h))
+    ours.pad_single_token = False
+    assert runs[True][0] == runs[False][0]
+    torch.testing.assert_close(runs[True][1], runs[False][1], atol=1e-5, rtol=1e-5)
