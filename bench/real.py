@@ -16,8 +16,6 @@ import argparse
 import json
 import platform
 import resource
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -26,8 +24,8 @@ from evospec.bench.harness import Arm, run_side_by_side, write_results
 from evospec.bench.v1 import hf_arm, load_hf_models, tokenize_sets
 from evospec.config import SamplingParams, SpecParams, TreeParams
 from evospec.engine.generate import SpeculativeDecoder
-from evospec.kernels.tree import chain_then_tree_mask
-from evospec.loading import LoadedPair, load_named_pair, load_qwen3_folder
+from evospec.loading import LoadedPair, load_named_pair, load_qwen3_folder, named_pair_folders
+from evospec.model.qwen3 import forward_seconds
 
 CHAIN = TreeParams(shape="chain", num_draft_tokens=4)
 TREE = TreeParams(shape="tree", depth=4, branching=2, budget=8)
@@ -62,19 +60,8 @@ def forward_costs(folder: Path, variants: list[str], sizes=(1, 2, 4, 8, 16), rep
     for name in variants:
         dtype, quantize = VARIANTS[name]
         model = load_qwen3_folder(folder, dtype, quantize=quantize)
-        cache = model.new_cache(64 + max(sizes))
-        model(torch.arange(64), torch.arange(64), cache, chain_then_tree_mask(0, 64, None))
-        cache.advance(64)
-        row = {}
-        for n in sizes:
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                model.full_logits(model(torch.arange(n), torch.arange(64, 64 + n), cache,
-                                        chain_then_tree_mask(64, n, None)))
-                times.append(1000 * (time.perf_counter() - t0))
-            row[n] = round(statistics.median(times), 2)
-        out[name] = row
+        cost = forward_seconds(model, sizes, context=64, repeats=repeats, with_head=True)
+        out[name] = {n: round(1000 * s, 2) for n, s in cost.items()}
         del model
     return out
 
@@ -101,16 +88,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path("results/bench_real"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    pair: LoadedPair = load_named_pair(args.pair, dtype=args.dtype, draft_quantize=args.draft_quantize)
+    folders = named_pair_folders(args.pair)  # the cost curve needs no loaded pair
     costs = {} if args.no_kernels else {
-        "target": forward_costs(pair.target_path, ["bfloat16", "float32"]),
-        "draft": forward_costs(pair.draft_path, ["bfloat16", "float32", "int8"])}
+        "target": forward_costs(folders["target"], ["bfloat16", "float32"]),
+        "draft": forward_costs(folders["draft"], ["bfloat16", "float32", "int8"])}
     if args.kernels_only:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"forward_costs_threads{torch.get_num_threads()}.json"
         path.write_text(json.dumps({"threads": torch.get_num_threads(), "forward_ms_by_new_tokens": costs}, indent=1))
         print(json.dumps(costs, indent=1))
         return
+    pair: LoadedPair = load_named_pair(args.pair, dtype=args.dtype, draft_quantize=args.draft_quantize)
     arms = speculative_arms(args.shapes)
     if args.draft_quantize == "int8":  # the same method with the draft HF assisted generation uses
         plain = SpeculativeDecoder(pair.decoder.target.model, load_qwen3_folder(pair.draft_path, args.dtype),
@@ -128,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
                  for t in args.temperatures}
     results = run_side_by_side(pair.decoder, arms, sets, samplings, args.repeats)
     meta = {"suite": "real", "pair": args.pair, "draft": str(pair.draft_path), "target": str(pair.target_path),
-            "dtype": args.dtype, "draft_quantize": args.draft_quantize, "threads": torch.get_num_threads(), "repeats": args.repeats,
+            "dtype": args.dtype, "draft_quantize": args.draft_quantize, "threads": torch.get_num_threads(),
+            "repeats": args.repeats,
             "prompts_per_set": args.prompts, "max_tokens": args.max_tokens,
             "chain": CHAIN.model_dump(), "tree": TREE.model_dump(),
             "forward_ms_by_new_tokens": costs,

@@ -81,12 +81,17 @@ def stop_token_ids(folder: Path) -> tuple[int, ...]:
     raise ValueError(f"{folder} names no eos_token_id in generation_config.json or config.json")
 
 
-def vocab_data_path(path: str | Path | None, default: Path) -> Path:
-    """A given path, else a file of the committed evospec/vocab/data/ by that name, else `default` (None)."""
-    if path is None:
-        return default
+def given_or_packaged(path: str | Path, folder: Path) -> Path:
+    """`path` when it exists, else the file of that name in a folder that ships with the package (so an installed
+    project finds its own YAMLs and vocabulary artifacts by name), else `path` unchanged (its open fails clearly)."""
     given = Path(path)
-    return given if given.exists() or not (VOCAB_DATA / given.name).exists() else VOCAB_DATA / given.name
+    packaged = folder / given.name
+    return packaged if not given.exists() and packaged.exists() else given
+
+
+def vocab_data_path(path: str | Path | None, default: Path) -> Path:
+    """A given path or a file of the committed evospec/vocab/data/ by that name; None = `default`."""
+    return default if path is None else given_or_packaged(path, VOCAB_DATA)
 
 
 def load_static_ids(path: str | Path | None) -> tuple[torch.Tensor, str]:
@@ -127,16 +132,23 @@ def load_pair(draft: ModelConfig = ModelConfig(), target: ModelConfig = ModelCon
                       vocab_data_path(static_vocab_path, DEFAULT_STATIC_VOCAB).name)
 
 
+def named_pair_models(name: str = TINY, device: str = "auto", dtype: str = "auto",
+                      draft_quantize: str = "none") -> tuple[ModelConfig, ModelConfig]:
+    """(draft, target) configs of the embedded tiny pair or of a pair of the model store.
+    draft_quantize int8: the draft runs float32 activations over int8 decoder weights (CPU)."""
+    prefix = "" if name == TINY else f"{STORE_PREFIX}{get_pair(name).name}/"
+    draft = ModelConfig(path=f"{prefix}draft" if prefix else None, device=device, quantize=draft_quantize,
+                        dtype="float32" if draft_quantize == "int8" else dtype)
+    return draft, ModelConfig(path=f"{prefix}target" if prefix else None, device=device, dtype=dtype)
+
+
+def named_pair_folders(name: str = TINY) -> dict[str, Path]:
+    """{"draft": folder, "target": folder} of a named pair, without loading it."""
+    return {role: model_folder(cfg, role) for role, cfg in zip(("draft", "target"), named_pair_models(name))}
+
+
 def load_named_pair(name: str = TINY, device: str = "auto", dtype: str = "auto",
                     draft_quantize: str = "none") -> LoadedPair:
-    """The embedded tiny pair, or a pair of the model store (fetched beforehand) with its own static vocabulary.
-    draft_quantize int8: the draft runs float32 activations over int8 decoder weights (CPU)."""
-    draft_dtype = "float32" if draft_quantize == "int8" else dtype
-    if name == TINY:
-        return load_pair(ModelConfig(device=device, dtype=draft_dtype, quantize=draft_quantize),
-                         ModelConfig(device=device, dtype=dtype))
-    spec = get_pair(name)
-    return load_pair(ModelConfig(path=f"{STORE_PREFIX}{name}/draft", device=device, dtype=draft_dtype,
-                                 quantize=draft_quantize),
-                     ModelConfig(path=f"{STORE_PREFIX}{name}/target", device=device, dtype=dtype),
-                     static_vocab_path=spec.static_vocab)
+    """The embedded tiny pair, or a pair of the model store (fetched beforehand) with its own static vocabulary."""
+    draft, target = named_pair_models(name, device, dtype, draft_quantize)
+    return load_pair(draft, target, static_vocab_path=None if name == TINY else get_pair(name).static_vocab)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ray.serve import Application
 
+from evospec.loading import given_or_packaged
 from evospec.orchestration.config import CONFIG_DIR, AppConfig
 from evospec.services.config import ReplicaConfig
 from evospec.services.draft.deployment import DraftDeployment
@@ -38,13 +39,10 @@ def build_app(cfg: AppConfig) -> Application:
 
 def resolve_config_path(path: str) -> Path:
     """A path as given, else a file of orchestration/configs/ (so installed packages find their YAMLs)."""
-    given = Path(path)
-    if given.exists():
-        return given
-    packaged = CONFIG_DIR / given.name
-    if packaged.exists():
-        return packaged
-    raise FileNotFoundError(f"config {path} not found (nor {packaged})")
+    resolved = given_or_packaged(path, CONFIG_DIR)
+    if not resolved.exists():
+        raise FileNotFoundError(f"config {path} not found (nor {CONFIG_DIR / Path(path).name})")
+    return resolved
 
 
 def app_builder(args: dict) -> Application:

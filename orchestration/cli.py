@@ -108,6 +108,9 @@ def client_request_kwargs(args) -> dict:
                           branching=args.branching, budget=args.budget))
 
 
+CACHE_DIR_HELP = "where fetched models live (default $EVOSPEC_CACHE or ~/.cache/evospec)"
+
+
 def use_cache_dir(path: str | None) -> None:
     """--cache-dir for this process and the Ray workers it starts (they inherit the environment)."""
     if path:
@@ -192,11 +195,12 @@ def cmd_generate(args) -> int:
 
 def cmd_models(args) -> int:
     from evospec.modelstore import PAIRS, FetchError, fetch_pair, store_dir
+    from evospec.modelstore.fetch import unfetched_models
     use_cache_dir(args.cache_dir)
     if args.models_cmd == "list":
         for name, spec in PAIRS.items():
             root = store_dir(name)
-            done = all((root / m.role / "config.json").exists() for m in spec.models)
+            done = not unfetched_models(spec, root)
             print(f"{name}: {spec.draft.upstream} -> {spec.target.upstream} "
                   f"[{'fetched: ' + str(root) if done else 'not fetched: evospec models fetch ' + name}]")
         return 0
@@ -261,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="stream a medical answer with speculative decoding and print its statistics")
     demo.add_argument("--pair", default=DEMO_PAIR, choices=pair_names(),
                       help=f"model pair (default {DEMO_PAIR}, fetched on first use; {TINY}: the embedded tiny pair)")
-    demo.add_argument("--cache-dir", help="where fetched models live (default $EVOSPEC_CACHE or ~/.cache/evospec)")
+    demo.add_argument("--cache-dir", help=CACHE_DIR_HELP)
     add_model_args(demo)
     add_request_args(demo)
     demo.add_argument("--in-process", action="store_true", help="no Ray Serve: run draft and target in this process")
@@ -285,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     fetch = msub.add_parser("fetch", help="download, assemble, verify (sha256) and convert a pair once")
     fetch.add_argument("name", choices=[p for p in pair_names() if p != TINY])
     for p in (models, fetch):
-        p.add_argument("--cache-dir", help="where fetched models live (default $EVOSPEC_CACHE or ~/.cache/evospec)")
+        p.add_argument("--cache-dir", help=CACHE_DIR_HELP)
     models.set_defaults(func=cmd_models)
 
     vocab = sub.add_parser("vocab", help="static (FR-Spec) vocabulary artifacts")

@@ -77,6 +77,27 @@ def _delta(msg: pb.GenerateResponse) -> Delta:
     return Delta(list(msg.token_ids), msg.text, msg.finish_reason, stats, msg.request_id)
 
 
+def _completion(msg: pb.GenerateResponse) -> Completion:
+    d = _delta(msg)
+    return Completion(d.token_ids, d.text, d.finish_reason, d.stats, d.request_id)
+
+
+def _info(msg: pb.InfoResponse) -> dict:
+    return MessageToDict(msg, preserving_proto_field_name=True)
+
+
+# What a service that is still deploying answers: no app yet (NOT_FOUND), its replica still loading (a deadline).
+NOT_READY = (Unavailable, NotFound, DeadlineExceeded)
+
+
+def _retry_delay(error: Exception, started: bool, attempt: int, retries: int, backoff_s: float) -> float | None:
+    """The one retry rule of both clients: UNAVAILABLE before the first message, with exponential backoff; None = give
+    up (a generation that started is never silently replayed)."""
+    if isinstance(error, Unavailable) and not started and attempt < retries:
+        return backoff_s * 2**attempt
+    return None
+
+
 def _collect(deltas) -> Completion:
     ids, text, last = [], [], None
     for d in deltas:
@@ -116,10 +137,10 @@ class EvoSpecClient:
                 return
             except grpc.RpcError as err:
                 error = from_rpc_error(err)
-                if isinstance(error, Unavailable) and not started and attempt < self.retries:
-                    time.sleep(self.backoff_s * 2**attempt)
-                    continue
-                raise error from None
+                delay = _retry_delay(error, started, attempt, self.retries, self.backoff_s)
+                if delay is None:
+                    raise error from None
+                time.sleep(delay)
             finally:
                 call.cancel()  # no-op when finished; frees server state when the caller stops early
 
@@ -134,15 +155,14 @@ class EvoSpecClient:
             msg = self._stub.GenerateOnce(request, timeout=timeout or self.timeout, metadata=self.metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
-        d = _delta(msg)
-        return Completion(d.token_ids, d.text, d.finish_reason, d.stats, d.request_id)
+        return _completion(msg)
 
     def info(self, timeout: float = 10.0) -> dict:
         try:
             msg = self._stub.Info(pb.InfoRequest(), timeout=timeout, metadata=self.metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
-        return MessageToDict(msg, preserving_proto_field_name=True)
+        return _info(msg)
 
     def wait_ready(self, timeout: float = 60.0) -> dict:
         """Poll Info until the service answers; after `timeout`, raise the last error (Unavailable, NotFound or
@@ -151,7 +171,7 @@ class EvoSpecClient:
         while True:
             try:
                 return self.info(timeout=5.0)
-            except (Unavailable, NotFound, DeadlineExceeded):  # deploying: no app yet, or its replica still loading
+            except NOT_READY:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.5)
@@ -190,10 +210,10 @@ class AsyncEvoSpecClient:
                 return
             except grpc.RpcError as err:
                 error = from_rpc_error(err)
-                if isinstance(error, Unavailable) and not started and attempt < self.retries:
-                    await asyncio.sleep(self.backoff_s * 2**attempt)
-                    continue
-                raise error from None
+                delay = _retry_delay(error, started, attempt, self.retries, self.backoff_s)
+                if delay is None:
+                    raise error from None
+                await asyncio.sleep(delay)
             finally:
                 call.cancel()
 
@@ -208,15 +228,14 @@ class AsyncEvoSpecClient:
             msg = await self._stub.GenerateOnce(request, timeout=timeout or self.timeout, metadata=self.metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
-        d = _delta(msg)
-        return Completion(d.token_ids, d.text, d.finish_reason, d.stats, d.request_id)
+        return _completion(msg)
 
     async def info(self, timeout: float = 10.0) -> dict:
         try:
             msg = await self._stub.Info(pb.InfoRequest(), timeout=timeout, metadata=self.metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
-        return MessageToDict(msg, preserving_proto_field_name=True)
+        return _info(msg)
 
     async def wait_ready(self, timeout: float = 60.0) -> dict:
         """Poll Info until the service answers; after `timeout`, raise the last error (Unavailable, NotFound or
@@ -225,7 +244,7 @@ class AsyncEvoSpecClient:
         while True:
             try:
                 return await self.info(timeout=5.0)
-            except (Unavailable, NotFound, DeadlineExceeded):  # deploying: no app yet, or its replica still loading
+            except NOT_READY:
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.5)

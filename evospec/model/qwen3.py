@@ -184,7 +184,7 @@ class Qwen3(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.pad_single_token = False  # see _forward_padded; set by calibrate_single_token_padding
+        self.pad_single_token = False  # see forward; set by calibrate_single_token_padding
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -207,7 +207,16 @@ class Qwen3(nn.Module):
         if write_start + input_ids.shape[0] > cache.max_len:
             raise ValueError(f"KV cache overflow: {write_start + input_ids.shape[0]} > {cache.max_len} slots")
         if self.pad_single_token and input_ids.shape[0] == 1 and write_start + 2 <= cache.max_len:
-            return self._forward_padded(input_ids, positions, cache, mask, write_start)
+            # One token run as two identical rows: on some CPUs a 1-row bf16 matmul takes a much slower path than a
+            # 2-row one (measured: 206 vs 149 ms per Qwen2.5-1.5B forward here). Row 1 repeats row 0 and sees the
+            # same slots, so row 0 is unchanged; its K/V lands in the scratch slot after the token, which nothing
+            # reads before a later write replaces it.
+            padded_mask = torch.zeros(2, write_start + 2, dtype=torch.bool, device=mask.device)
+            padded_mask[:, : write_start + 1] = mask[0]
+            return self._layers(input_ids.repeat(2), positions.repeat(2), cache, padded_mask, write_start)[:1]
+        return self._layers(input_ids, positions, cache, mask, write_start)
+
+    def _layers(self, input_ids, positions, cache: KVCache, mask, write_start: int) -> torch.Tensor:
         device = self.embed_tokens.weight.device
         input_ids, positions, mask = input_ids.to(device), positions.to(device), mask.to(device)
         x = self.embed_tokens(input_ids)
@@ -215,19 +224,6 @@ class Qwen3(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache.keys[i], cache.values[i], write_start, mask)
         return self.norm(x)
-
-    def _forward_padded(self, input_ids, positions, cache, mask, write_start: int) -> torch.Tensor:
-        """One token run as two identical rows: on some CPUs a 1-row bf16 matmul takes a much slower path than a
-        2-row one (measured: 206 vs 149 ms per Qwen2.5-1.5B forward here). Row 1 repeats row 0 and sees the same
-        slots, so row 0 is unchanged; its K/V lands in the scratch slot after the token, which nothing reads before
-        a later write replaces it."""
-        padded_mask = torch.zeros(2, write_start + 2, dtype=torch.bool, device=mask.device)
-        padded_mask[:, : write_start + 1] = mask[0]
-        self.pad_single_token = False
-        try:
-            return self.forward(input_ids.repeat(2), positions.repeat(2), cache, padded_mask, write_start)[:1]
-        finally:
-            self.pad_single_token = True
 
     @torch.inference_mode()
     def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -282,26 +278,42 @@ def quantize_int8(model: Qwen3) -> Qwen3:
 
 
 @torch.inference_mode()
-def calibrate_single_token_padding(model: Qwen3, repeats: int = 3, context: int = 32) -> bool:
-    """Measure one forward of 1 vs 2 new tokens; pad single tokens to two rows when that is >10% faster (CPU only:
-    a kernel property of the machine and dtype, so it is measured at load, never assumed). Returns the choice."""
+def forward_seconds(model: Qwen3, sizes=(1, 2), context: int = 32, repeats: int = 3,
+                    with_head: bool = False) -> dict[int, float]:
+    """Median seconds of one forward of n new tokens after a `context`-token prefix, per n in `sizes` (the kernel's
+    own cost: single-token padding is off while measuring; `with_head` adds the full LM head)."""
     import statistics
     import time
+
+    from evospec.kernels.tree import chain_then_tree_mask
+    padding, model.pad_single_token = model.pad_single_token, False
+    try:
+        cache = model.new_cache(context + max(sizes))
+        model(torch.arange(context), torch.arange(context), cache, chain_then_tree_mask(0, context, None))
+        cache.advance(context)
+        cost = {}
+        for n in sizes:
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                hidden = model(torch.arange(n), torch.arange(context, context + n), cache,
+                               chain_then_tree_mask(context, n, None))
+                if with_head:
+                    model.full_logits(hidden)
+                times.append(time.perf_counter() - t0)
+            cost[n] = statistics.median(times)
+        return cost
+    finally:
+        model.pad_single_token = padding
+
+
+def calibrate_single_token_padding(model: Qwen3) -> bool:
+    """Pad single tokens to two rows when one forward of 2 new tokens is >10% faster than of 1 (CPU only: a kernel
+    property of the machine and dtype, so it is measured at load, never assumed). Returns the choice."""
     model.pad_single_token = False
     if model.embed_tokens.weight.device.type != "cpu":
         return False
-    from evospec.kernels.tree import chain_then_tree_mask
-    cache = model.new_cache(context + 2)
-    model(torch.arange(context), torch.arange(context), cache, chain_then_tree_mask(0, context, None))
-    cache.advance(context)
-    cost = {}
-    for n in (1, 2, 1, 2):
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            model(torch.zeros(n, dtype=torch.long), torch.full((n,), context), cache,
-                  chain_then_tree_mask(context, n, None))
-            times.append(time.perf_counter() - t0)
-        cost[n] = statistics.median(times)  # the second round (warm) wins
+    forward_seconds(model)  # warm-up round
+    cost = forward_seconds(model)
     model.pad_single_token = cost[2] < 0.9 * cost[1]
     return model.pad_single_token

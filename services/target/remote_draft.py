@@ -116,9 +116,8 @@ class RemoteDraftPool:
     """Where the target's speculative generations get their drafters: today one draft replica, found once through
     `address` (an async callable, e.g. a Serve handle call), reached over one shared gRPC channel."""
 
-    def __init__(self, address: Callable[[], Awaitable[str]], static_vocab_sha: str, timeout_s: float):
+    def __init__(self, address: Callable[[], Awaitable[str]], timeout_s: float):
         self._address = address
-        self.static_vocab_sha = static_vocab_sha
         self.timeout_s = timeout_s
         self._channel: grpc.Channel | None = None
         self._stub: spec_grpc.DraftStub | None = None
@@ -128,13 +127,15 @@ class RemoteDraftPool:
             self._channel = grpc.insecure_channel(await self._address(), options=INTERNAL_CHANNEL_OPTIONS)
             self._stub = spec_grpc.DraftStub(self._channel)
 
-    def open(self, session_id: str, request: DraftRequest, layout: ActiveLayout, vocab_size: int) -> RemoteDrafter:
-        """Open a session's stream (blocking: called from the generation's worker thread, after `connect`)."""
+    def open(self, session_id: str, request: DraftRequest, layout: ActiveLayout, vocab_size: int,
+             static_vocab_sha: str) -> RemoteDrafter:
+        """Open a session's stream (blocking: called from the generation's worker thread, after `connect`); the
+        draft must use the static artifact `static_vocab_sha` names."""
         if self._stub is None:
             raise RuntimeError("RemoteDraftPool.open before connect()")
         mirror = ActiveSetMirror(layout.static_ids, layout.dynamic_size, vocab_size)
-        return RemoteDrafter(self._stub, session_id, request, mirror, layout.target_feedback,
-                             self.static_vocab_sha, self.timeout_s)
+        return RemoteDrafter(self._stub, session_id, request, mirror, layout.target_feedback, static_vocab_sha,
+                             self.timeout_s)
 
     def close(self) -> None:
         if self._channel is not None:

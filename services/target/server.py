@@ -89,7 +89,8 @@ class DraftPool(Protocol):
 
     async def connect(self) -> None: ...
 
-    def open(self, session_id: str, request: DraftRequest, layout: ActiveLayout, vocab_size: int): ...
+    def open(self, session_id: str, request: DraftRequest, layout: ActiveLayout, vocab_size: int,
+             static_vocab_sha: str): ...
 
 
 class MetricsSink(Protocol):
@@ -167,7 +168,8 @@ class TargetServer:
         await self.drafts.pool.connect()
         vocab_size = self.decoder.target.vocab_size
         layout_of = self.decoder.policies.layout
-        return lambda req: self.drafts.pool.open(request_id, req, layout_of(req.spec), vocab_size)
+        return lambda req: self.drafts.pool.open(request_id, req, layout_of(req.spec), vocab_size,
+                                                 self.static_vocab_sha)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         """Validate and admit (raising before the first event), then stream TokensEvents and one FinishedEvent.

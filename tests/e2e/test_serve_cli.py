@@ -82,7 +82,8 @@ def cli_service():
             try:
                 client.wait_ready(timeout=300)
             except Exception as exc:
-                raise AssertionError(f"service not ready ({exc!r}):\n{serve_log.read_text(errors='replace')[-3000:]}") from None
+                log = serve_log.read_text(errors="replace")[-3000:]
+                raise AssertionError(f"service not ready ({exc!r}):\n{log}") from None
             yield client
     finally:
         if serve_proc is not None:

@@ -23,10 +23,10 @@ COUNTED = ("steps", "drafted", "accepted", "accepted_per_pos", "generated_tokens
            "buffer_updates")
 
 
-def pool_for(address: str, sha: str) -> RemoteDraftPool:
+def pool_for(address: str) -> RemoteDraftPool:
     async def resolve() -> str:
         return address
-    pool = RemoteDraftPool(resolve, sha, timeout_s=30)
+    pool = RemoteDraftPool(resolve, timeout_s=30)
     asyncio.run(pool.connect())
     return pool
 
@@ -37,15 +37,15 @@ def setup():
     local = SpeculativeDecoder(target, draft, static_ids=STATIC)
     draft_server = DraftServer(DraftEngine(draft), VocabPolicies(draft.head_weight, STATIC), "sha")
     grpc_server, port = start_draft_server(draft_server, "127.0.0.1")
-    pool = pool_for(f"127.0.0.1:{port}", "sha")
+    pool = pool_for(f"127.0.0.1:{port}")
     remote_only = SpeculativeDecoder(target, None, static_ids=STATIC)
     yield local, remote_only, pool, draft_server, port
     pool.close()
     grpc_server.stop(grace=None)
 
 
-def remote_factory(pool: RemoteDraftPool, decoder: SpeculativeDecoder, session_id: str = "req-1"):
-    return lambda request: pool.open(session_id, request, decoder.policies.layout(request.spec), VOCAB)
+def remote_factory(pool: RemoteDraftPool, decoder: SpeculativeDecoder, session_id: str = "req-1", sha: str = "sha"):
+    return lambda request: pool.open(session_id, request, decoder.policies.layout(request.spec), VOCAB, sha)
 
 
 def wait_closed(draft_server: DraftServer) -> None:
@@ -82,14 +82,12 @@ def test_remote_equals_local(setup, method, sampling, tree):
 
 
 def test_mismatched_static_vocabulary_is_refused(setup):
-    _, remote_only, _, draft_server, port = setup
-    other = pool_for(f"127.0.0.1:{port}", "other")
+    _, remote_only, pool, draft_server, _ = setup
     gen = remote_only.generate([4, 5], SamplingParams(max_tokens=4),
                                SpecParams(method="frspec", vocab={"static_size": 32}),
-                               drafter_factory=remote_factory(other, remote_only, "req-2"))
+                               drafter_factory=remote_factory(pool, remote_only, "req-2", sha="other"))
     with pytest.raises(DraftStreamError, match="different static vocabularies"):
         list(gen)
-    other.close()
     wait_closed(draft_server)
 
 
