@@ -16,11 +16,14 @@ bonus is drawn from r. The output distribution equals the target's exactly.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from evospec.config import SamplingParams
 from evospec.kernels.pruned_head import scatter_to_full_vocab
+from evospec.sampling import logits_to_probs
 from evospec.tree import DraftTree
 
 
@@ -37,7 +40,11 @@ class VerifyResult:
 
 def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> VerifyResult:
     """target_logits: [1 + n, V] (row 0 = root)."""
-    argmax = target_logits.argmax(-1).tolist()  # [1 + n]
+    return _greedy_walk(tree, target_logits.argmax(-1).tolist())
+
+
+def _greedy_walk(tree: DraftTree, argmax: list[int]) -> VerifyResult:
+    """argmax: the target's choice after the root and after each node, [1 + n]."""
     children = tree.children()
     tokens = tree.token_ids.tolist()
     node, path = -1, []
@@ -88,3 +95,28 @@ def verify_stochastic(tree: DraftTree, target_probs: torch.Tensor, generator: to
             return VerifyResult(path, [tokens[i] for i in path], bonus)
         path.append(accepted)
         node = accepted
+
+
+def verify_batch(trees: Sequence[DraftTree], logits: torch.Tensor, samplings: Sequence[SamplingParams],
+                 generators: Sequence[torch.Generator | None]) -> list[VerifyResult]:
+    """Many requests' trees verified together (continuous batching), each with its own sampling parameters.
+
+    logits: [sum_i (1 + n_i), V], request i's rows (root, then its n_i nodes) packed after request i-1's, as one
+    batched target forward returns them. Greedy requests share one argmax over all their rows; each sampled request
+    runs the rejection sampler above on its own rows with its own generator (the same draws, in the same order, as
+    verifying it alone). `verify_greedy` / `verify_stochastic` are the reference (tests/unit/test_batching.py).
+    """
+    offsets = [0]
+    for tree in trees:
+        offsets.append(offsets[-1] + 1 + tree.size)
+    if offsets[-1] != logits.shape[0]:
+        raise ValueError(f"verify_batch: {logits.shape[0]} logit rows for trees needing {offsets[-1]}")
+    argmax = logits.argmax(-1).tolist() if any(s.greedy for s in samplings) else []  # [sum (1 + n_i)]
+    results = []
+    for i, (tree, sampling, generator) in enumerate(zip(trees, samplings, generators)):
+        lo, hi = offsets[i], offsets[i + 1]
+        if sampling.greedy:
+            results.append(_greedy_walk(tree, argmax[lo:hi]))
+        else:
+            results.append(verify_stochastic(tree, logits_to_probs(logits[lo:hi], sampling), generator))
+    return results

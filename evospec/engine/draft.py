@@ -20,7 +20,7 @@ import torch
 
 from evospec.config import SamplingParams, TreeParams
 from evospec.kernels.tree import chain_then_tree_mask
-from evospec.model import KVCache, Qwen3
+from evospec.model import KVCache, Qwen3, Segment
 from evospec.sampling import logits_to_probs, sample_without_replacement
 from evospec.tree import DraftTree
 from evospec.verify import VerifyResult
@@ -56,118 +56,58 @@ class DraftEngine:
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
+    @staticmethod
+    def cache_tokens(max_len: int, tree_params: TreeParams) -> int:
+        """KV slots a session needs: `max_len` committed tokens plus one tree of scratch."""
+        return max_len + tree_params.max_nodes + 1
+
     def start(self, prompt_ids: list[int], sampling: SamplingParams, tree_params: TreeParams,
-              vocab_policy: VocabPolicy, max_len: int, seed: int) -> DraftSession:
+              vocab_policy: VocabPolicy, max_len: int, seed: int, cache: KVCache | None = None) -> DraftSession:
+        """A session over `cache` (a KVArena region from the scheduler) or a cache of its own."""
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        cache = self.model.new_cache(max_len + tree_params.max_nodes + 1)
+        cache = cache if cache is not None else self.model.new_cache(self.cache_tokens(max_len, tree_params))
         return DraftSession(cache, list(prompt_ids), vocab_policy.new_session(prompt_ids), sampling, tree_params,
                             generator)
 
-    def _children(self, session: DraftSession, logits: torch.Tensor, k: int) -> tuple[list[int], list[float], torch.Tensor]:
-        """logits: [|A|] -> (child slots in A, their log q, q [|A|] = the distribution they were drawn from)."""
-        if session.sampling.greedy:
-            q = logits.softmax(-1)
-            slots = logits.topk(min(k, int(torch.isfinite(logits).sum()))).indices
-        else:
-            q = logits_to_probs(logits, session.sampling)
-            slots = sample_without_replacement(q, k, session.generator)
-        return slots.tolist(), q[slots].log().tolist(), q
-
-    def _forward(self, session: DraftSession, tokens: list[int], positions: list[int], mask: torch.Tensor,
-                 write_start: int) -> torch.Tensor:
-        """-> draft logits over A, [len(tokens), |A|]."""
-        ids = torch.tensor(tokens, dtype=torch.long)
-        hidden = self.model(ids, torch.tensor(positions), session.cache, mask, write_start=write_start)
-        start = time.perf_counter()
-        logits = session.vocab.active.logits(hidden)
-        session.head_seconds += time.perf_counter() - start
-        return logits
-
-    def _feed_uncached(self, session: DraftSession) -> torch.Tensor:
-        """Forward committed tokens not in the cache yet; returns root logits [|A|]."""
-        cache = session.cache
-        chain = session.tokens[cache.length:]
-        mask = chain_then_tree_mask(cache.length, len(chain), None)
-        logits = self._forward(session, chain, list(range(cache.length, cache.length + len(chain))), mask, cache.length)
-        cache.advance(len(chain))
-        return logits[-1]
+    def propose(self, session: DraftSession, params: TreeParams | None = None) -> DraftTree:
+        """One session's next tree (the per-request loop); `params` overrides the session's tree shape."""
+        return self.propose_many([(session, params or session.tree_params)])[0]
 
     @torch.inference_mode()
-    def propose(self, session: DraftSession) -> DraftTree:
-        params = session.tree_params
-        chain = params.shape == "chain"
-        branching = 1 if chain else params.branching
-        depth = params.num_draft_tokens if chain else params.depth
-        budget = params.max_nodes
-        active_ids = session.vocab.active.row_ids
-        root_logits = self._feed_uncached(session)
-        base = session.cache.length  # scratch slots for tree nodes start here
-        budget_limits_expansion = not session.sampling.greedy  # sampling: no pruning, see module docstring
-
-        nodes: list[_Node] = []
-        ancestors: list[list[int]] = []
-        draft_probs: dict[int, torch.Tensor] = {}
-        session.forwarded_slot = {}
-
-        def add_children(parent: int, logits: torch.Tensor) -> list[int]:
-            if budget_limits_expansion and len(nodes) + branching > budget:
-                return []
-            slots, logq, q = self._children(session, logits, branching)
-            if not session.sampling.greedy:
-                draft_probs[parent] = q
-            parent_score = 0.0 if parent < 0 else nodes[parent].score
-            parent_depth = 0 if parent < 0 else nodes[parent].depth
-            new = []
-            for slot, lq in zip(slots, logq):
-                nodes.append(_Node(int(active_ids[slot]), parent, parent_depth + 1, parent_score + lq))
-                ancestors.append(([] if parent < 0 else ancestors[parent] + [parent]))
-                new.append(len(nodes) - 1)
-            return new
-
-        frontier = add_children(-1, root_logits)
-        for _ in range(depth - 1):
-            frontier = sorted(frontier, key=lambda i: -nodes[i].score)[:branching]
-            if not frontier:
-                break
-            logits = self._forward_frontier(session, nodes, ancestors, frontier, base)
-            new_level = []
-            for row, node in enumerate(frontier):
-                new_level += add_children(node, logits[row])
-            frontier = new_level
-
-        keep = list(range(len(nodes)))
-        if session.sampling.greedy and len(nodes) > budget:
-            ranked = sorted(keep, key=lambda i: (-nodes[i].score, nodes[i].depth))
-            keep = sorted(ranked[:budget])
-        return self._to_tree(session, nodes, keep, draft_probs, active_ids)
-
-    def _forward_frontier(self, session, nodes, ancestors, frontier, base) -> torch.Tensor:
-        """Forward the frontier nodes into scratch slots after `base`; returns logits [len(frontier), |A|]."""
-        slot_of = session.forwarded_slot
-        write_start = base + len(slot_of)
-        f = len(frontier)
-        mask = torch.zeros(f, write_start + f, dtype=torch.bool)
-        mask[:, :base] = True
-        for row, node in enumerate(frontier):
-            for anc in ancestors[node]:
-                mask[row, slot_of[anc]] = True
-            mask[row, write_start + row] = True
-        positions = [base - 1 + nodes[n].depth for n in frontier]
-        logits = self._forward(session, [nodes[n].token for n in frontier], positions, mask, write_start)
-        for row, node in enumerate(frontier):
-            slot_of[node] = write_start + row
-        return logits
+    def propose_many(self, requests: list[tuple[DraftSession, TreeParams]],
+                     prefills: list[tuple[DraftSession, int]] = ()) -> list[DraftTree]:
+        """Trees for several sessions with one packed draft forward per tree level (continuous batching); the first
+        forward also carries the next `n` prompt tokens of each session in `prefills` (chunked prefill)."""
+        builders = [TreeBuilder(self, session, params) for session, params in requests]
+        segments = [self.prefill_segment(session, n) for session, n in prefills]
+        segments += [b.feed_segment() for b in builders]
+        hidden = self.model.forward_packed(segments) if segments else None
+        offset = 0
+        for session, n in prefills:
+            session.cache.advance(n)
+            offset += n
+        for b, seg in zip(builders, segments[len(prefills):]):
+            b.on_feed(hidden[offset:offset + seg.num_tokens])
+            offset += seg.num_tokens
+        while True:
+            level = [(b, seg) for b in builders if (seg := b.frontier_segment()) is not None]
+            if not level:
+                return [b.tree() for b in builders]
+            hidden = self.model.forward_packed([seg for _, seg in level])
+            offset = 0
+            for b, seg in level:
+                b.on_frontier(hidden[offset:offset + seg.num_tokens])
+                offset += seg.num_tokens
 
     @staticmethod
-    def _to_tree(session, nodes, keep, draft_probs, active_ids) -> DraftTree:
-        """Renumber the kept nodes 0..n-1 (parents stay before children) and remap forwarded slots."""
-        new_index = {old: new for new, old in enumerate(keep)}
-        parents = [new_index[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in keep]
-        session.forwarded_slot = {new_index[o]: s for o, s in session.forwarded_slot.items() if o in new_index}
-        probs = {(new_index[p] if p >= 0 else -1): q for p, q in draft_probs.items() if p < 0 or p in new_index}
-        return DraftTree(torch.tensor([nodes[i].token for i in keep], dtype=torch.long),
-                         torch.tensor(parents, dtype=torch.long), probs,
-                         active_ids.clone() if probs else None)  # a snapshot: D may change after this step
+    def prefill_segment(session: DraftSession, n: int) -> Segment:
+        """The next `n` prompt tokens into the draft cache (never the last one: a tree's feed needs it)."""
+        cache = session.cache
+        if not 0 < n <= len(session.tokens) - 1 - cache.length:
+            raise ValueError(f"draft prefill of {n} tokens; {len(session.tokens) - 1 - cache.length} remain")
+        start = cache.length
+        return Segment(cache, torch.tensor(session.tokens[start:start + n]), torch.arange(start, start + n),
+                       chain_then_tree_mask(start, n, None), start)
 
     def advance(self, session: DraftSession, result: VerifyResult, feedback: TargetFeedback | None) -> list:
         """Between steps: commit the verified step, then let the session vocabulary update (-> its slot changes)."""
@@ -184,3 +124,122 @@ class DraftEngine:
         session.cache.commit(slots)
         session.tokens.extend(result.committed_tokens)
         session.forwarded_slot = {}
+
+
+class TreeBuilder:
+    """One session's tree for one step, built level by level so that a driver can pack many sessions' forwards:
+    `feed_segment` -> `on_feed`, then `frontier_segment` -> `on_frontier` until it returns None, then `tree`."""
+
+    def __init__(self, engine: DraftEngine, session: DraftSession, params: TreeParams):
+        self.session = session
+        chain = params.shape == "chain"
+        self.branching = 1 if chain else params.branching
+        self.levels_left = (params.num_draft_tokens if chain else params.depth) - 1
+        self.budget = params.max_nodes
+        self.budget_limits_expansion = not session.sampling.greedy  # sampling: no pruning, see module docstring
+        self.active_ids = session.vocab.active.row_ids
+        self.nodes: list[_Node] = []
+        self.ancestors: list[list[int]] = []
+        self.draft_probs: dict[int, torch.Tensor] = {}
+        self.frontier: list[int] = []
+        self.base = 0  # first scratch slot for tree nodes
+        self._pending_frontier: list[int] = []
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] -> draft logits over A, [n, |A|] (the pruned head, timed)."""
+        start = time.perf_counter()
+        logits = self.session.vocab.active.logits(hidden)
+        self.session.head_seconds += time.perf_counter() - start
+        return logits
+
+    def feed_segment(self) -> Segment:
+        """Committed tokens not in the draft cache yet (at least the last bonus token), as a chain."""
+        cache = self.session.cache
+        chain = self.session.tokens[cache.length:]
+        return Segment(cache, torch.tensor(chain, dtype=torch.long), torch.arange(cache.length, cache.length + len(chain)),
+                       chain_then_tree_mask(cache.length, len(chain), None), cache.length)
+
+    def on_feed(self, hidden: torch.Tensor) -> None:
+        session = self.session
+        session.cache.advance(hidden.shape[0])
+        self.base = session.cache.length
+        session.forwarded_slot = {}
+        self.frontier = self._add_children(-1, self._logits(hidden[-1:])[0])
+
+    def frontier_segment(self) -> Segment | None:
+        """The best `branching` new nodes by cumulative score (EAGLE-2), forwarded into scratch slots after the
+        nodes already forwarded; None when the tree is complete."""
+        if self.levels_left <= 0:
+            return None
+        nodes = self.nodes
+        frontier = sorted(self.frontier, key=lambda i: -nodes[i].score)[:self.branching]
+        if not frontier:
+            return None
+        slot_of = self.session.forwarded_slot
+        write_start = self.base + len(slot_of)
+        f = len(frontier)
+        mask = torch.zeros(f, write_start + f, dtype=torch.bool)
+        mask[:, :self.base] = True
+        for row, node in enumerate(frontier):
+            for anc in self.ancestors[node]:
+                mask[row, slot_of[anc]] = True
+            mask[row, write_start + row] = True
+            slot_of[node] = write_start + row
+        self._pending_frontier = frontier
+        positions = torch.tensor([self.base - 1 + nodes[n].depth for n in frontier])
+        return Segment(self.session.cache, torch.tensor([nodes[n].token for n in frontier], dtype=torch.long),
+                       positions, mask, write_start)
+
+    def on_frontier(self, hidden: torch.Tensor) -> None:
+        logits = self._logits(hidden)  # [f, |A|]
+        new_level = []
+        for row, node in enumerate(self._pending_frontier):
+            new_level += self._add_children(node, logits[row])
+        self.frontier = new_level
+        self.levels_left -= 1
+
+    def _add_children(self, parent: int, logits: torch.Tensor) -> list[int]:
+        if self.budget_limits_expansion and len(self.nodes) + self.branching > self.budget:
+            return []
+        slots, logq, q = self._children(logits)
+        if not self.session.sampling.greedy:
+            self.draft_probs[parent] = q
+        parent_score = 0.0 if parent < 0 else self.nodes[parent].score
+        parent_depth = 0 if parent < 0 else self.nodes[parent].depth
+        new = []
+        for slot, lq in zip(slots, logq):
+            self.nodes.append(_Node(int(self.active_ids[slot]), parent, parent_depth + 1, parent_score + lq))
+            self.ancestors.append([] if parent < 0 else self.ancestors[parent] + [parent])
+            new.append(len(self.nodes) - 1)
+        return new
+
+    def _children(self, logits: torch.Tensor) -> tuple[list[int], list[float], torch.Tensor]:
+        """logits: [|A|] -> (child slots in A, their log q, q [|A|] = the distribution they were drawn from)."""
+        session, k = self.session, self.branching
+        if session.sampling.greedy:
+            q = logits.softmax(-1)
+            slots = logits.topk(min(k, int(torch.isfinite(logits).sum()))).indices
+        else:
+            q = logits_to_probs(logits, session.sampling)
+            slots = sample_without_replacement(q, k, session.generator)
+        return slots.tolist(), q[slots].log().tolist(), q
+
+    def tree(self) -> DraftTree:
+        nodes = self.nodes
+        keep = list(range(len(nodes)))
+        if self.session.sampling.greedy and len(nodes) > self.budget:
+            ranked = sorted(keep, key=lambda i: (-nodes[i].score, nodes[i].depth))
+            keep = sorted(ranked[:self.budget])
+        return self._to_tree(self.session, nodes, keep, self.draft_probs, self.active_ids)
+
+    @staticmethod
+    def _to_tree(session, nodes, keep, draft_probs, active_ids) -> DraftTree:
+        """Renumber the kept nodes 0..n-1 (parents stay before children) and remap forwarded slots."""
+        new_index = {old: new for new, old in enumerate(keep)}
+        parents = [new_index[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in keep]
+        session.forwarded_slot = {new_index[o]: s for o, s in session.forwarded_slot.items() if o in new_index}
+        probs = {(new_index[p] if p >= 0 else -1): q for p, q in draft_probs.items() if p < 0 or p in new_index}
+        return DraftTree(torch.tensor([nodes[i].token for i in keep], dtype=torch.long),
+                         torch.tensor(parents, dtype=torch.long), probs,
+                         active_ids.clone() if probs else None)  # a snapshot: D may change after this step
+

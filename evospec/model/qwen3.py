@@ -96,30 +96,52 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class KVCache:
-    """Position-indexed cache: keys/values [layers, kv_heads, max_len, head_dim]; `length` committed slots.
+    """Position-indexed cache of one sequence: keys/values [layers, kv_heads, max_len, head_dim]; `length` committed
+    slots. Its own tensors, or a view of a shared `KVArena` region (the batching scheduler's sessions).
 
     Slots >= length are scratch (a tree being decoded); `commit` keeps the chosen scratch slots, compacted.
     """
 
-    def __init__(self, cfg: Qwen3Config, max_len: int, device: torch.device, dtype: torch.dtype):
-        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        self.keys = torch.zeros(shape, device=device, dtype=dtype)
-        self.values = torch.zeros(shape, device=device, dtype=dtype)
-        self.max_len = max_len
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys, self.values = keys, values
+        self.max_len = keys.shape[2]
         self.length = 0
+        self.arena_start: int | None = None  # set when the cache is a view of a KVArena region
+
+    @classmethod
+    def allocate(cls, cfg: Qwen3Config, max_len: int, device: torch.device, dtype: torch.dtype) -> "KVCache":
+        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
 
     def commit(self, scratch_slots: list[int]) -> None:
-        """Append the given scratch slots (absolute, increasing, all >= length) to the committed prefix."""
+        """Append the given scratch slots (absolute, increasing, all >= length) to the committed prefix. Slots already
+        in place (an accepted chain right after the prefix) are not copied."""
         if not scratch_slots:
             return
-        src = torch.tensor(scratch_slots, dtype=torch.long, device=self.keys.device)
-        compact_kv(self.keys, src, self.length)
-        compact_kv(self.values, src, self.length)
+        first_moved = next((i for i, s in enumerate(scratch_slots) if s != self.length + i), len(scratch_slots))
+        if first_moved < len(scratch_slots):
+            src = torch.tensor(scratch_slots[first_moved:], dtype=torch.long, device=self.keys.device)
+            compact_kv(self.keys, src, self.length + first_moved)
+            compact_kv(self.values, src, self.length + first_moved)
         self.length += len(scratch_slots)
 
     def advance(self, n: int) -> None:
         """Mark the n slots after the committed prefix (just written by a chain forward) as committed."""
         self.length += n
+
+
+@dataclass
+class Segment:
+    """One sequence's share of a packed forward: `n` new tokens written at slots write_start..+n of its cache."""
+    cache: KVCache
+    input_ids: torch.Tensor  # [n]
+    positions: torch.Tensor  # [n]
+    mask: torch.Tensor  # [n, write_start + n] bool over the cache's slots, True = may attend
+    write_start: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
 
 
 class Attention(nn.Module):
@@ -134,22 +156,29 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
 
-    def forward(self, x, cos, sin, layer_keys, layer_values, write_start: int, mask) -> torch.Tensor:
-        """x: [n, hidden]; layer_keys/values: [kv_heads, max_len, head_dim] (written in place at write_start..+n);
-        mask: [n, write_start + n] bool."""
-        n = x.shape[0]
+    def forward(self, x, cos, sin, layer: int, segments: list[Segment]) -> torch.Tensor:
+        """x: [T, hidden], the segments' tokens packed in order; cos/sin: [T, head_dim]. Projections run over all T
+        rows at once (the weight-bound part); attention runs per segment over its own cache (layer `layer`), where
+        each segment's K/V are written in place first."""
+        t = x.shape[0]
         hd = self.cfg.head_dim
-        q = self.q_norm(self.q_proj(x).view(n, -1, hd)).transpose(0, 1)  # [heads, n, hd]
-        k = self.k_norm(self.k_proj(x).view(n, -1, hd)).transpose(0, 1)  # [kv_heads, n, hd]
-        v = self.v_proj(x).view(n, -1, hd).transpose(0, 1)
+        q = self.q_norm(self.q_proj(x).view(t, -1, hd)).transpose(0, 1)  # [heads, T, hd]
+        k = self.k_norm(self.k_proj(x).view(t, -1, hd)).transpose(0, 1)  # [kv_heads, T, hd]
+        v = self.v_proj(x).view(t, -1, hd).transpose(0, 1)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        end = write_start + n
-        layer_keys[:, write_start:end] = k
-        layer_values[:, write_start:end] = v
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(0), layer_keys[:, :end].unsqueeze(0), layer_values[:, :end].unsqueeze(0),
-            attn_mask=mask, enable_gqa=True)  # [1, heads, n, hd]
-        return self.o_proj(out[0].transpose(0, 1).reshape(n, -1))
+        outputs, offset = [], 0
+        for seg in segments:
+            n, start = seg.num_tokens, seg.write_start
+            end = start + n
+            keys, values = seg.cache.keys[layer], seg.cache.values[layer]  # [kv_heads, max_len, hd]
+            keys[:, start:end] = k[:, offset:offset + n]
+            values[:, start:end] = v[:, offset:offset + n]
+            outputs.append(F.scaled_dot_product_attention(
+                q[:, offset:offset + n].unsqueeze(0), keys[:, :end].unsqueeze(0), values[:, :end].unsqueeze(0),
+                attn_mask=seg.mask, enable_gqa=True)[0])  # [heads, n, hd]
+            offset += n
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)  # [heads, T, hd]
+        return self.o_proj(out.transpose(0, 1).reshape(t, -1))
 
 
 class MLP(nn.Module):
@@ -171,8 +200,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, layer_keys, layer_values, write_start, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_keys, layer_values, write_start, mask)
+    def forward(self, x, cos, sin, layer: int, segments: list[Segment]):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, segments)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -193,7 +222,7 @@ class Qwen3(nn.Module):
 
     def new_cache(self, max_len: int) -> KVCache:
         p = self.embed_tokens.weight
-        return KVCache(self.cfg, max_len, p.device, p.dtype)
+        return KVCache.allocate(self.cfg, max_len, p.device, p.dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor,
@@ -204,25 +233,37 @@ class Qwen3(nn.Module):
         Returns final-norm hidden states [n, hidden]. The caller applies a head (full or pruned) and commits slots.
         """
         write_start = cache.length if write_start is None else write_start
-        if write_start + input_ids.shape[0] > cache.max_len:
-            raise ValueError(f"KV cache overflow: {write_start + input_ids.shape[0]} > {cache.max_len} slots")
-        if self.pad_single_token and input_ids.shape[0] == 1 and write_start + 2 <= cache.max_len:
-            # One token run as two identical rows: on some CPUs a 1-row bf16 matmul takes a much slower path than a
-            # 2-row one (measured: 206 vs 149 ms per Qwen2.5-1.5B forward here). Row 1 repeats row 0 and sees the
-            # same slots, so row 0 is unchanged; its K/V lands in the scratch slot after the token, which nothing
-            # reads before a later write replaces it.
-            padded_mask = torch.zeros(2, write_start + 2, dtype=torch.bool, device=mask.device)
-            padded_mask[:, : write_start + 1] = mask[0]
-            return self._layers(input_ids.repeat(2), positions.repeat(2), cache, padded_mask, write_start)[:1]
-        return self._layers(input_ids, positions, cache, mask, write_start)
+        return self.forward_packed([Segment(cache, input_ids, positions, mask, write_start)])
 
-    def _layers(self, input_ids, positions, cache: KVCache, mask, write_start: int) -> torch.Tensor:
+    @torch.inference_mode()
+    def forward_packed(self, segments: list[Segment]) -> torch.Tensor:
+        """Several sequences in one forward (continuous batching): their tokens packed into T rows, each attending
+        only to its own cache through its own mask. Returns final-norm hidden states [T, hidden] in segment order."""
+        if self.pad_single_token and len(segments) == 1 and segments[0].num_tokens == 1:
+            seg = segments[0]
+            if seg.write_start + 2 <= seg.cache.max_len:
+                # One token run as two identical rows: on some CPUs a 1-row bf16 matmul takes a much slower path
+                # than a 2-row one (measured: 206 vs 149 ms per Qwen2.5-1.5B forward here). Row 1 repeats row 0 and
+                # sees the same slots, so row 0 is unchanged; its K/V lands in the scratch slot after the token,
+                # which nothing reads before a later write replaces it.
+                mask = torch.zeros(2, seg.write_start + 2, dtype=torch.bool, device=seg.mask.device)
+                mask[:, : seg.write_start + 1] = seg.mask[0]
+                padded = Segment(seg.cache, seg.input_ids.repeat(2), seg.positions.repeat(2), mask, seg.write_start)
+                return self._packed([padded])[:1]
+        return self._packed(segments)
+
+    def _packed(self, segments: list[Segment]) -> torch.Tensor:
         device = self.embed_tokens.weight.device
-        input_ids, positions, mask = input_ids.to(device), positions.to(device), mask.to(device)
+        for seg in segments:
+            if seg.write_start + seg.num_tokens > seg.cache.max_len:
+                raise ValueError(f"KV cache overflow: {seg.write_start + seg.num_tokens} > {seg.cache.max_len} slots")
+            seg.mask = seg.mask.to(device)
+        input_ids = torch.cat([seg.input_ids for seg in segments]).to(device)
+        positions = torch.cat([seg.positions for seg in segments]).to(device)
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.keys[i], cache.values[i], write_start, mask)
+            x = layer(x, cos, sin, i, segments)
         return self.norm(x)
 
     @torch.inference_mode()
