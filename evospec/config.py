@@ -93,6 +93,24 @@ class ModelConfig(BaseModel):
         return self
 
 
+class SchedulerConfig(BaseModel):
+    """The continuous-batching scheduler of one target replica (evospec/engine/scheduler.py).
+
+    kv_tokens: the target's KV arena, in tokens, shared by every running generation (each reserves prompt +
+    max_tokens + one tree). draft_kv_tokens: the same for an in-process draft (None = kv_tokens). max_running:
+    generations stepped together. max_waiting: admitted requests queued for KV or a running slot; beyond it,
+    RESOURCE_EXHAUSTED. prefill_chunk: prompt tokens prefilled per engine step over all generations, so a long prompt
+    delays the others' next tokens by at most one chunk. adaptive: choose each step's draft depth from measured step
+    costs and acceptance (goodput); off = every request drafts its full tree (the per-request loop's behaviour)."""
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    kv_tokens: int = Field(65536, ge=16)
+    draft_kv_tokens: int | None = Field(None, ge=16)
+    max_running: int = Field(64, ge=1)
+    max_waiting: int = Field(256, ge=0)
+    prefill_chunk: int = Field(256, ge=1)
+    adaptive: bool = True
+
+
 def draft_seed(seed: int) -> int:
     """The draft's generator seed for a request seeded with `seed`: different from the target's, same range."""
     return (seed + 1) % SEED_SPACE

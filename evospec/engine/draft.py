@@ -57,15 +57,17 @@ class DraftEngine:
         return self.model.embed_tokens.weight.device
 
     @staticmethod
-    def cache_tokens(max_len: int, tree_params: TreeParams) -> int:
-        """KV slots a session needs: `max_len` committed tokens plus one tree of scratch."""
-        return max_len + tree_params.max_nodes + 1
+    def cache_tokens(max_len: int) -> int:
+        """KV slots a session needs. `max_len` (prompt + max_tokens + one tree + 2) suffices: a tree is drafted only
+        while fewer than max_tokens tokens are out, so at most prompt + max_tokens - 1 are committed, plus one tree
+        of scratch after them."""
+        return max_len
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams, tree_params: TreeParams,
               vocab_policy: VocabPolicy, max_len: int, seed: int, cache: KVCache | None = None) -> DraftSession:
         """A session over `cache` (a KVArena region from the scheduler) or a cache of its own."""
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        cache = cache if cache is not None else self.model.new_cache(self.cache_tokens(max_len, tree_params))
+        cache = cache if cache is not None else self.model.new_cache(self.cache_tokens(max_len))
         return DraftSession(cache, list(prompt_ids), vocab_policy.new_session(prompt_ids), sampling, tree_params,
                             generator)
 

@@ -11,11 +11,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from evospec.config import SamplingParams, SpecParams
+from evospec.config import SamplingParams, SpecParams, TreeParams
 from evospec.engine.draft import DraftEngine, DraftSession
 from evospec.engine.stats import SpecStats
 from evospec.engine.target import VerifiedStep
+from evospec.errors import OverloadedError
+from evospec.model import KVArena
 from evospec.tree import DraftTree
+from evospec.vocab.registry import VocabPolicies
 from evospec.vocab.retrieval import TargetFeedback, target_feedback
 
 
@@ -48,6 +51,31 @@ def feedback_for(verified: VerifiedStep, in_active, with_candidates: bool, stats
     return fb
 
 
+class BatchDrafter(Protocol):
+    """Where the batching scheduler's trees come from: every session of a target replica, stepped together.
+    Keys are the scheduler's session keys; a per-session failure comes back as that session's exception."""
+
+    def open(self, key: str, request: DraftRequest) -> None: ...
+
+    def propose(self, requests: dict[str, TreeParams], prefills: dict[str, int]) -> dict[str, DraftTree | Exception]:
+        """Trees for `requests` (each clipped to the given shape); `prefills` = prompt tokens to cache meanwhile."""
+
+    def observe(self, steps: dict[str, tuple[VerifiedStep, SpecStats]]) -> None: ...
+
+    def close(self, key: str) -> None: ...
+
+
+def observe_locally(engine: DraftEngine, session: DraftSession, verified: VerifiedStep, stats: SpecStats) -> None:
+    """In-process feedback of one verified step: misses and candidates (target side), commit and buffer update."""
+    vocab = session.vocab
+    start = time.perf_counter()
+    fb = feedback_for(verified, vocab.in_active(), vocab.wants_target_feedback, stats) if vocab.restricted else None
+    changes = engine.advance(session, verified.result, fb)
+    stats.buffer_updates += sum(1 for c in changes if c.token_id >= 0)
+    stats.buffer_update_seconds += time.perf_counter() - start
+    stats.draft_head_seconds = session.head_seconds
+
+
 class NoDrafter:
     """`ar`: empty trees, so each step is one plain autoregressive target forward."""
 
@@ -69,14 +97,38 @@ class LocalDrafter:
         return self.engine.propose(self.session)
 
     def observe(self, verified: VerifiedStep, stats: SpecStats) -> None:
-        vocab = self.session.vocab
-        start = time.perf_counter()
-        fb = feedback_for(verified, vocab.in_active(), vocab.wants_target_feedback, stats) if vocab.restricted \
-            else None
-        changes = self.engine.advance(self.session, verified.result, fb)
-        stats.buffer_updates += sum(1 for c in changes if c.token_id >= 0)
-        stats.buffer_update_seconds += time.perf_counter() - start
-        stats.draft_head_seconds = self.session.head_seconds
+        observe_locally(self.engine, self.session, verified, stats)
 
     def close(self) -> None:
         return None
+
+
+class LocalBatchDrafter:
+    """The in-process draft of the batching scheduler: every session's KV in one arena, and one packed draft forward
+    per tree level over all sessions (DraftEngine.propose_many)."""
+
+    def __init__(self, engine: DraftEngine, policies: VocabPolicies, arena: KVArena):
+        self.engine, self.policies, self.arena = engine, policies, arena
+        self.sessions: dict[str, DraftSession] = {}
+
+    def open(self, key: str, request: DraftRequest) -> None:
+        """Raises OverloadedError while the draft arena has no region large enough (the request waits)."""
+        cache = self.arena.reserve(DraftEngine.cache_tokens(request.max_len))
+        if cache is None:
+            raise OverloadedError("draft KV arena full")
+        self.sessions[key] = self.engine.start(request.prompt_ids, request.sampling, request.spec.tree,
+                                               self.policies.get(request.spec), request.max_len, request.seed, cache)
+
+    def propose(self, requests: dict[str, TreeParams], prefills: dict[str, int]) -> dict[str, DraftTree | Exception]:
+        trees = self.engine.propose_many([(self.sessions[k], params) for k, params in requests.items()],
+                                         [(self.sessions[k], n) for k, n in prefills.items()])
+        return dict(zip(requests, trees))
+
+    def observe(self, steps: dict[str, tuple[VerifiedStep, SpecStats]]) -> None:
+        for key, (verified, stats) in steps.items():
+            observe_locally(self.engine, self.sessions[key], verified, stats)
+
+    def close(self, key: str) -> None:
+        session = self.sessions.pop(key, None)
+        if session is not None:
+            self.arena.release(session.cache)

@@ -1,0 +1,372 @@
+"""Continuous batching: one scheduler owns every running generation of a target replica and steps them together.
+
+One engine step:
+1. Admit waiting requests (FCFS) while the KV arenas have a region for them and fewer than `max_running` run;
+   drop cancelled and expired ones.
+2. Choose the step's draft depth (budget.py; fixed at each request's own shape when `adaptive` is off).
+3. Draft: one packed draft forward per tree level over every speculative session (plus the draft's share of prefill).
+4. Target: one packed forward over prefill chunks (at most `prefill_chunk` prompt tokens in all) and every decoding
+   session's [pending] + tree, the LM head on the verified rows only, `verify_batch`, commit.
+5. Stop rules, events to each request's sink, feedback to the draft (buffer updates) for those that go on.
+
+Each request keeps its own method, tree, vocabulary sizes, sampling parameters, seed and stop rules; the per-request
+loop (`SpeculativeDecoder.generate`) is the reference its output is tested against (tests/unit/test_scheduler.py).
+No Ray or gRPC here: fronts call `submit` from any thread and read events from the sink they pass.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from evospec.config import SamplingParams, SchedulerConfig, SpecParams, draft_seed
+from evospec.engine.budget import Acceptance, LinearCost, SpeculationBudget, clip_depth, tree_depth
+from evospec.engine.drafter import BatchDrafter, DraftRequest, LocalBatchDrafter
+from evospec.engine.generate import SpeculativeDecoder, apply_stop_rules
+from evospec.engine.stats import SpecStats
+from evospec.engine.target import TargetSession
+from evospec.errors import EvoSpecError, OverloadedError
+from evospec.kernels.tree import tree_depths
+from evospec.model import KVArena
+from evospec.model.qwen3 import forward_seconds
+from evospec.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class TokensOut:
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str  # 'stop' | 'length'
+    stats: SpecStats
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: BaseException  # EvoSpecError subclasses carry what the client should know; TimeoutError = deadline
+
+
+SchedulerEvent = TokensOut | Finished | Failed
+Sink = Callable[[SchedulerEvent], None]
+
+
+class DeadlineExceeded(EvoSpecError, TimeoutError):
+    """The request's deadline passed before it finished (-> DEADLINE_EXCEEDED)."""
+
+
+@dataclass
+class _Request:
+    key: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    spec: SpecParams
+    seed: int
+    sink: Sink
+    deadline: float | None  # time.monotonic()
+    stats: SpecStats
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    target: TargetSession | None = None
+    output_ids: list[int] = field(default_factory=list)
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    drafted: bool = False  # has a draft session
+
+    @property
+    def speculative(self) -> bool:
+        return self.spec.method != "ar"
+
+    @property
+    def max_len(self) -> int:
+        return len(self.prompt_ids) + self.sampling.max_tokens + self.spec.tree.max_nodes + 2
+
+
+class RequestHandle:
+    def __init__(self, request: _Request, wake: Callable[[], None]):
+        self._request, self._wake = request, wake
+
+    @property
+    def key(self) -> str:
+        return self._request.key
+
+    @property
+    def stats(self) -> SpecStats:
+        return self._request.stats
+
+    def cancel(self) -> None:
+        """Stop the generation; its KV and draft session are freed at the next step (no further events)."""
+        self._request.cancelled.set()
+        self._wake()
+
+
+class Scheduler:
+    def __init__(self, decoder: SpeculativeDecoder, config: SchedulerConfig = SchedulerConfig(),
+                 drafter: BatchDrafter | None = None, budget: SpeculationBudget | None = None):
+        """decoder: the target (and, for an in-process draft, the draft) with their vocabulary policies and stop
+        ids; drafter: where trees come from (default: the decoder's draft model in this process, batched)."""
+        self.decoder, self.config = decoder, config
+        self.arena = KVArena(decoder.target.model, config.kv_tokens)
+        if drafter is None and decoder.draft is not None:
+            draft_arena = KVArena(decoder.draft.model, config.draft_kv_tokens or config.kv_tokens)
+            drafter = LocalBatchDrafter(decoder.draft, decoder.policies, draft_arena)
+        self.drafter = drafter
+        self.budget = budget if budget is not None or not config.adaptive else self._measured_budget()
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._running: dict[str, _Request] = {}  # key -> request, in admission order
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+        self.depth_histogram: collections.Counter[int] = collections.Counter()  # chosen draft depth per step
+
+    # ---- fronts -------------------------------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], sampling: SamplingParams, spec: SpecParams, sink: Sink,
+               deadline: float | None = None) -> RequestHandle:
+        """Validate (InvalidRequestError names the field), queue (OverloadedError when it cannot be), return a handle.
+        Events then arrive through `sink`, from the scheduler's thread: TokensOut..., then Finished or Failed."""
+        self.decoder.validate(prompt_ids, sampling, spec, remote_draft=self.drafter is not None)
+        if spec.method != "ar" and self.drafter is None:
+            self.decoder.validate(prompt_ids, sampling, spec)  # raises: no draft model
+        seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little")
+        request = _Request(uuid.uuid4().hex, list(prompt_ids), sampling, spec, seed, sink, deadline,
+                           SpecStats(prompt_tokens=len(prompt_ids)))
+        if request.max_len > self.arena.capacity:
+            raise OverloadedError(f"the request needs {request.max_len} KV tokens (prompt {len(prompt_ids)} + "
+                                  f"max_tokens {sampling.max_tokens} + one tree); this replica's KV arena holds "
+                                  f"{self.arena.capacity} (scheduler.kv_tokens): lower max_tokens or the prompt")
+        with self._lock:
+            if len(self._waiting) >= self.config.max_waiting:
+                raise OverloadedError(f"{len(self._waiting)} requests already wait for KV memory (max_waiting="
+                                      f"{self.config.max_waiting}); retry later")
+            self._waiting.append(request)
+            self._wakeup.notify()
+        return RequestHandle(request, self._wake)
+
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    # ---- the scheduler's thread ---------------------------------------------------------------------------------
+    def start(self) -> "Scheduler":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="evospec-scheduler", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Fail whatever still runs or waits (OverloadedError 'shutting down') and end the thread."""
+        with self._lock:
+            self._stopping = True
+            self._wakeup.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._wakeup.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self._waiting and not self._running:
+                    self._wakeup.wait()
+                if self._stopping:
+                    break
+            self.step()
+        for request in [*self._running.values(), *self._waiting]:
+            self._fail(request, OverloadedError("the server is shutting down; retry on another replica"))
+        self._waiting.clear()
+
+    def run_until_idle(self) -> None:
+        """Step until nothing runs or waits (tests and benchmarks drive the scheduler without its thread)."""
+        while self._running or self._waiting:
+            self.step()
+
+    def step(self) -> None:
+        self._admit()
+        self._drop_cancelled()
+        if not self._running:
+            return
+        prefills = self._plan_prefill()
+        decoding = [r for r in self._running.values() if r.target.prefill_remaining == 0]
+        k = self._choose_depth([r for r in decoding if r.speculative], sum(prefills.values()))
+        trees = self._draft(decoding, prefills, k)
+        self._verify(decoding, prefills, trees)
+        self.steps += 1
+        self.depth_histogram[k] += 1
+
+    # ---- one step, layer by layer -------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.config.max_running:
+            with self._lock:
+                request = self._waiting[0]
+            if request.deadline is not None and time.monotonic() > request.deadline:
+                self._pop_waiting()
+                self._fail(request, DeadlineExceeded("deadline exceeded while waiting for KV memory"))
+                continue
+            if request.cancelled.is_set():
+                self._pop_waiting()
+                continue
+            cache = self.arena.reserve(request.max_len)
+            if cache is None:
+                return  # FCFS: the head waits for KV, the others wait behind it
+            if request.speculative:
+                try:
+                    self.drafter.open(request.key, DraftRequest(request.prompt_ids, request.sampling, request.spec,
+                                                                request.max_len, draft_seed(request.seed)))
+                except OverloadedError:
+                    self.arena.release(cache)
+                    return
+                except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+                    self.arena.release(cache)
+                    self._pop_waiting()
+                    self._fail(request, exc)
+                    continue
+                request.drafted = True
+            request.target = self.decoder.target.open(request.prompt_ids, request.sampling, cache, request.seed)
+            self._pop_waiting()
+            self._running[request.key] = request
+
+    def _pop_waiting(self) -> None:
+        with self._lock:
+            self._waiting.popleft()
+
+    def _drop_cancelled(self) -> None:
+        now = time.monotonic()
+        for request in list(self._running.values()):
+            if request.cancelled.is_set():
+                self._release(request)
+            elif request.deadline is not None and now > request.deadline:
+                self._fail(request, DeadlineExceeded(f"deadline exceeded after {len(request.output_ids)} tokens"))
+
+    def _plan_prefill(self) -> dict[str, int]:
+        """Prompt tokens to prefill this step per request key: at most `prefill_chunk` in all, oldest first."""
+        room, plan = self.config.prefill_chunk, {}
+        for request in self._running.values():
+            remaining = request.target.prefill_remaining
+            if remaining and room:
+                plan[request.key] = min(remaining, room)
+                room -= plan[request.key]
+        return plan
+
+    def _choose_depth(self, speculative: list[_Request], prefill_tokens: int) -> int:
+        if not speculative:
+            return 0
+        if self.budget is None:
+            return max(tree_depth(r.spec.tree) for r in speculative)
+        return self.budget.choose([(r.spec.tree, r.acceptance) for r in speculative], prefill_tokens)
+
+    def _draft(self, decoding: list[_Request], prefills: dict[str, int], k: int) -> dict[str, DraftTree]:
+        requests = {r.key: clip_depth(r.spec.tree, k) for r in decoding if r.speculative and k > 0}
+        draft_prefills = {key: n for key, n in prefills.items() if self._running[key].drafted}
+        if not requests and not draft_prefills:
+            return {}
+        start = time.perf_counter()
+        try:
+            proposed = self.drafter.propose(requests, draft_prefills)
+        except Exception as exc:  # noqa: BLE001 - a draft failure fails its sessions, never the scheduler
+            proposed = {key: exc for key in [*requests, *draft_prefills]}
+        seconds = time.perf_counter() - start
+        trees = {}
+        for key, tree in proposed.items():
+            if isinstance(tree, Exception):
+                self._fail(self._running[key], tree)
+            elif key in requests:
+                trees[key] = tree
+                self._running[key].stats.draft_seconds += seconds
+        if requests and not draft_prefills and self.budget is not None:
+            rows = sum(1 if p.shape == "chain" else p.branching for p in requests.values())
+            self.budget.draft_level_cost.update(rows, seconds / max(k, 1))
+        return trees
+
+    def _verify(self, decoding: list[_Request], prefills: dict[str, int], trees: dict[str, DraftTree]) -> None:
+        decoding = [r for r in decoding if r.key in self._running]  # a draft failure may have ended some
+        prefill_items = [(r.target, n) for key, n in prefills.items() if (r := self._running.get(key))]
+        verifies = [(r, trees.get(r.key, DraftTree.empty())) for r in decoding]
+        start = time.perf_counter()
+        try:
+            steps = self.decoder.target.step(prefill_items, [(r.target, tree) for r, tree in verifies])
+        except Exception as exc:  # noqa: BLE001 - an engine error fails this step's requests, never the thread
+            for request in list(self._running.values()):
+                self._fail(request, exc)
+            return
+        seconds = time.perf_counter() - start
+        if self.budget is not None:
+            self.budget.target_cost.update(sum(n for _, n in prefill_items) + sum(1 + t.size for _, t in verifies),
+                                           seconds)
+        feedback = {}
+        for (request, tree), verified in zip(verifies, steps):
+            stats = request.stats
+            stats.verify_seconds += seconds
+            accepted = len(verified.result.accepted_nodes)
+            stats.record_step(tree.size, accepted)
+            if tree.size:
+                depth = int(tree_depths(tree.parents).max())
+                request.acceptance.record(depth, accepted)
+                if self.budget is not None:
+                    self.budget.global_acceptance.record(depth, accepted)
+            tokens, finish = apply_stop_rules(verified.result.committed_tokens, len(request.output_ids),
+                                              request.sampling, self.decoder.eos_ids)
+            request.output_ids.extend(tokens)
+            stats.generated_tokens = len(request.output_ids)
+            if finish is None and request.drafted:
+                feedback[request.key] = (verified, stats)
+            if tokens:
+                self._emit(request, TokensOut(tokens))
+            if finish is not None:
+                self._release(request)
+                self._emit(request, Finished(finish, stats))
+        if feedback:
+            start = time.perf_counter()
+            try:
+                self.drafter.observe(feedback)
+            except Exception as exc:  # noqa: BLE001
+                for key in feedback:
+                    if key in self._running:
+                        self._fail(self._running[key], exc)
+            seconds = time.perf_counter() - start
+            for key, (_, stats) in feedback.items():
+                stats.draft_seconds += seconds
+
+    # ---- bookkeeping --------------------------------------------------------------------------------------------
+    def _release(self, request: _Request) -> None:
+        """Free the request's KV region and draft session (idempotent)."""
+        self._running.pop(request.key, None)
+        if request.target is not None:
+            self.arena.release(request.target.cache)
+        if request.drafted:
+            request.drafted = False
+            try:
+                self.drafter.close(request.key)
+            except Exception:  # noqa: BLE001 - closing is best effort; the draft side also times sessions out
+                pass
+
+    def _fail(self, request: _Request, error: BaseException) -> None:
+        self._release(request)
+        self._emit(request, Failed(error))
+
+    def _emit(self, request: _Request, event: SchedulerEvent) -> None:
+        """A sink that fails (its consumer is gone) cancels its request; it never stops the scheduler."""
+        try:
+            request.sink(event)
+        except Exception:  # noqa: BLE001
+            request.cancelled.set()
+
+    def _measured_budget(self) -> SpeculationBudget:
+        """Start-up costs: target forwards of 1/16/64 tokens, draft forwards (with its head) of 1/8 rows."""
+        target = forward_seconds(self.decoder.target.model, sizes=(1, 16, 64), repeats=2)
+        target_cost = LinearCost([(n, s) for n, s in target.items()])
+        if self.decoder.draft is not None:
+            draft = forward_seconds(self.decoder.draft.model, sizes=(1, 8), repeats=2, with_head=True)
+            draft_cost = LinearCost([(n, s) for n, s in draft.items()])
+        else:  # a remote draft: learnt from the first steps; start at a third of a target step
+            draft_cost = LinearCost([(1, target[1] / 3)])
+        return SpeculationBudget(target_cost, draft_cost)

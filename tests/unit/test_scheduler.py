@@ -1,0 +1,284 @@
+"""Continuous batching against its oracle, the per-request loop: packed forwards, batched verification, the KV arena,
+and the scheduler with every method, tree shape, vocabulary and sampling setting mixed in one batch."""
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from evospec.config import SamplingParams, SchedulerConfig, SpecParams, TreeParams
+from evospec.engine.budget import LinearCost, SpeculationBudget
+from evospec.engine.generate import SpeculativeDecoder
+from evospec.engine.scheduler import DeadlineExceeded, Failed, Finished, Scheduler, TokensOut
+from evospec.errors import InvalidRequestError, OverloadedError
+from evospec.kernels.tree import chain_then_tree_mask, chain_then_tree_positions
+from evospec.model import KVArena, Segment
+from evospec.testing import chi_square_p, exact_two_token_joint, random_pair
+from evospec.tree import DraftTree
+from evospec.verify import verify_batch, verify_greedy, verify_stochastic
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    target, draft = random_pair(vocab=VOCAB, seed=3, eos=1)
+    return SpeculativeDecoder(target, draft, static_ids=torch.arange(VOCAB).flip(0)[:64])
+
+
+def oracle(decoder, prompt, sampling, spec):
+    gen = decoder.generate(prompt, sampling, spec)
+    list(gen)
+    return gen
+
+
+class Collector:
+    def __init__(self):
+        self.events = []
+
+    def __call__(self, event):
+        self.events.append(event)
+
+    @property
+    def tokens(self):
+        return [t for e in self.events if isinstance(e, TokensOut) for t in e.token_ids]
+
+    @property
+    def finished(self):
+        return next((e for e in self.events if isinstance(e, Finished | Failed)), None)
+
+
+# ---- packed forward and batched verification --------------------------------------------------------------------
+
+def test_packed_forward_equals_one_sequence_at_a_time(decoder):
+    model = decoder.target.model
+    arena = KVArena(model, 256)
+    prompts = [[5, 9, 13, 2, 7], [3], [40, 41, 42, 43, 44, 45, 46, 47]]
+    trees = [torch.tensor([-1, 0, 0]), None, torch.tensor([-1, -1, 1])]
+    caches, solo = [arena.reserve(32) for _ in prompts], [model.new_cache(32) for _ in prompts]
+    segments, expected = [], []
+    for prompt, parents, cache, own in zip(prompts, trees, caches, solo):
+        n_tree = 0 if parents is None else parents.shape[0]
+        ids = torch.tensor(prompt + [11] * n_tree)
+        mask = chain_then_tree_mask(0, len(prompt), parents)
+        positions = chain_then_tree_positions(0, len(prompt), parents)
+        segments.append(Segment(cache, ids, positions, mask, 0))
+        expected.append(model(ids, positions, own, mask))
+    packed = model.forward_packed(segments)
+    torch.testing.assert_close(packed, torch.cat(expected), rtol=1e-5, atol=1e-5)
+    for cache, own, prompt in zip(caches, solo, prompts):  # each sequence's K/V landed in its own region
+        torch.testing.assert_close(cache.keys[:, :, :len(prompt)], own.keys[:, :, :len(prompt)])
+
+
+def test_kv_arena_reserves_releases_and_merges(decoder):
+    arena = KVArena(decoder.target.model, 100)
+    a, b, c = arena.reserve(30), arena.reserve(30), arena.reserve(30)
+    assert arena.reserve(20) is None and arena.free_tokens == 10
+    arena.release(b)
+    arena.release(b)  # idempotent
+    assert arena.largest_free == 30 and arena.reserve(31) is None
+    arena.release(a)
+    assert arena.largest_free == 60  # merged with its free neighbour
+    arena.release(c)
+    assert arena.free_tokens == 100 and arena.largest_free == 100
+    region = arena.reserve(100)
+    region.keys[0, 0, 3] = 7.0  # a region is a view: writes reach the arena
+    assert arena.keys[0, 0, 3].eq(7.0).all()
+
+
+def random_tree(rng, n, vocab):
+    if n == 0:
+        return DraftTree.empty()
+    parents = [-1] + [rng.randrange(-1, i) for i in range(1, n)]
+    return DraftTree(torch.tensor([rng.randrange(vocab) for _ in range(n)]), torch.tensor(parents))
+
+
+def test_verify_batch_matches_per_tree_reference():
+    rng = random.Random(0)
+    vocab = 12
+    trees, samplings, rows = [], [], []
+    for i in range(8):
+        tree = random_tree(rng, rng.randrange(0, 6), vocab)
+        sampling = SamplingParams(temperature=0.0 if i % 2 == 0 else 0.8, top_p=0.9 if i % 4 == 1 else 1.0)
+        if not sampling.greedy and tree.size:
+            q = torch.softmax(torch.randn(tree.size + 1, vocab), -1)
+            tree.draft_probs = {p: q[p + 1] for p in set(tree.parents.tolist())}
+            tree.active_ids = torch.arange(vocab)
+        trees.append(tree)
+        samplings.append(sampling)
+        rows.append(torch.randn(1 + tree.size, vocab) * 3)
+    logits = torch.cat(rows)
+    got = verify_batch(trees, logits, samplings, [torch.Generator().manual_seed(i) for i in range(8)])
+    from evospec.sampling import logits_to_probs
+    for i, (tree, sampling, r) in enumerate(zip(trees, samplings, rows)):
+        want = verify_greedy(tree, r) if sampling.greedy else \
+            verify_stochastic(tree, logits_to_probs(r, sampling), torch.Generator().manual_seed(i))
+        assert got[i] == want
+    with pytest.raises(ValueError, match="logit rows"):
+        verify_batch(trees, logits[1:], samplings, [None] * 8)
+
+
+# ---- the scheduler against the per-request loop -----------------------------------------------------------------
+
+MIXED = [
+    ("ar", TreeParams(), {}),
+    ("sd", TreeParams(shape="chain", num_draft_tokens=3), {}),
+    ("sd", TreeParams(shape="tree", depth=4, branching=3, budget=10), {}),
+    ("frspec", TreeParams(shape="chain", num_draft_tokens=5), {"static_size": 48}),
+    ("frspec", TreeParams(shape="tree", depth=3, branching=2, budget=6), {"static_size": 64}),
+    ("evospec", TreeParams(shape="chain", num_draft_tokens=4), {"static_size": 32, "dynamic_size": 16}),
+    ("evospec", TreeParams(shape="tree", depth=5, branching=2, budget=12), {"static_size": 48, "dynamic_size": 8}),
+]
+
+
+def mixed_requests(temperature_of):
+    out = []
+    for i, (method, tree, vocab) in enumerate(MIXED * 2):
+        prompt = [(7 * i + 3 * j) % (VOCAB - 2) + 2 for j in range(1 + (5 * i) % 23)]
+        sampling = SamplingParams(max_tokens=12 + 3 * i, temperature=temperature_of(i), top_p=0.9 if i % 3 else 1.0,
+                                  seed=1000 + i, ignore_eos=i % 2 == 0)
+        out.append((prompt, sampling, SpecParams(method=method, tree=tree, vocab=vocab)))
+    return out
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+def test_mixed_batch_greedy_identical_to_per_request_loop(decoder, adaptive):
+    requests = mixed_requests(lambda i: 0.0)
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, prefill_chunk=16, adaptive=adaptive))
+    sinks = [Collector() for _ in requests]
+    for (prompt, sampling, spec), sink in zip(requests, sinks):
+        scheduler.submit(prompt, sampling, spec, sink)
+    scheduler.run_until_idle()
+    for (prompt, sampling, spec), sink in zip(requests, sinks):
+        ref = oracle(decoder, prompt, sampling, spec)
+        assert sink.tokens == ref.output_ids, spec.method
+        assert isinstance(sink.finished, Finished) and sink.finished.finish_reason == ref.finish_reason
+    assert scheduler.arena.free_tokens == scheduler.arena.capacity  # every region returned
+    assert scheduler.drafter.arena.free_tokens == scheduler.drafter.arena.capacity
+    if not adaptive:
+        assert sum(s.finished.stats.accepted for s in sinks) > 0
+
+
+def test_mixed_batch_seeded_sampling_identical_to_per_request_loop(decoder):
+    """With the draft depth fixed, each request draws the same random numbers in the same order as alone."""
+    requests = mixed_requests(lambda i: [0.0, 0.7, 1.0][i % 3])
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, prefill_chunk=8, adaptive=False))
+    sinks = [Collector() for _ in requests]
+    for (prompt, sampling, spec), sink in zip(requests, sinks):
+        scheduler.submit(prompt, sampling, spec, sink)
+    scheduler.run_until_idle()
+    for (prompt, sampling, spec), sink in zip(requests, sinks):
+        assert sink.tokens == oracle(decoder, prompt, sampling, spec).output_ids
+
+
+class RandomDepth(SpeculationBudget):
+    """A draft depth drawn at random each step: any choice made without looking at the draft's tokens is lossless."""
+
+    def __init__(self, seed):
+        super().__init__(LinearCost([(1, 1.0)]), LinearCost([(1, 1.0)]))
+        self.rng = random.Random(seed)
+
+    def choose(self, requests, prefill_tokens):
+        return self.rng.randrange(0, 4)
+
+
+@pytest.mark.slow
+def test_varying_draft_depth_keeps_the_target_distribution():
+    vocab, prompt = 8, [2, 5, 3]
+    target, draft = random_pair(vocab=vocab, seed=7, eos=0, noise=0.5)
+    dec = SpeculativeDecoder(target, draft)
+    sampling = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
+    scheduler = Scheduler(dec, SchedulerConfig(kv_tokens=4096), budget=RandomDepth(0))
+    spec = SpecParams(method="sd", tree=TreeParams(shape="tree", depth=3, branching=2, budget=6))
+    n, counts, accepted = 3000, np.zeros(vocab * vocab), 0
+    for start in range(0, n, 100):
+        sinks = [Collector() for _ in range(100)]
+        for i, sink in enumerate(sinks):
+            scheduler.submit(prompt, sampling.model_copy(update={"seed": start + i}), spec, sink)
+        scheduler.run_until_idle()
+        for sink in sinks:
+            counts[sink.tokens[0] * vocab + sink.tokens[1]] += 1
+            accepted += sink.finished.stats.accepted
+    assert accepted > n * 0.2
+    assert set(scheduler.depth_histogram) == {0, 1, 2, 3}
+    assert chi_square_p(counts, exact_two_token_joint(target, prompt, sampling)) > 1e-3
+
+
+# ---- admission, chunked prefill, cancellation, deadlines --------------------------------------------------------
+
+def test_long_prompt_prefills_in_chunks_while_others_decode(decoder):
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, prefill_chunk=8, adaptive=False))
+    short, long_ = Collector(), Collector()
+    scheduler.submit([5, 6], SamplingParams(max_tokens=20, ignore_eos=True), SpecParams(method="ar"), short)
+    scheduler.step()
+    scheduler.submit(list(range(2, 90)), SamplingParams(max_tokens=4, ignore_eos=True), SpecParams(method="sd"), long_)
+    for _ in range(5):  # 87 prompt tokens = 11 chunks: the short request gets a token every step meanwhile
+        before = len(short.tokens)
+        scheduler.step()
+        assert len(short.tokens) == before + 1
+    assert not long_.tokens
+    scheduler.run_until_idle()
+    assert long_.tokens == oracle(decoder, list(range(2, 90)), SamplingParams(max_tokens=4, ignore_eos=True),
+                                  SpecParams(method="sd")).output_ids
+
+
+def test_admission_waits_for_kv_and_refuses_what_never_fits(decoder):
+    sampling = SamplingParams(max_tokens=20, ignore_eos=True)
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=64, max_waiting=2, adaptive=False))
+    with pytest.raises(OverloadedError, match="lower max_tokens"):
+        scheduler.submit([3] * 10, SamplingParams(max_tokens=60), SpecParams(method="ar"), Collector())
+    sinks = [Collector() for _ in range(3)]
+    for sink in sinks[:2]:  # 20 + 2 prompt + 4 + 2 = 28 KV tokens each
+        scheduler.submit([3, 4], sampling, SpecParams(method="sd"), sink)
+    scheduler.step()
+    assert scheduler.num_running() == 2
+    scheduler.submit([3, 4], sampling, SpecParams(method="ar"), sinks[2])
+    scheduler.step()
+    assert scheduler.num_running() == 2 and scheduler.num_waiting() == 1  # waits for a region
+    scheduler.submit([3, 4], sampling, SpecParams(method="ar"), Collector())
+    with pytest.raises(OverloadedError, match="max_waiting"):
+        scheduler.submit([3, 4], sampling, SpecParams(method="ar"), Collector())
+    scheduler.run_until_idle()
+    assert all(isinstance(s.finished, Finished) and len(s.tokens) == 20 for s in sinks)
+    with pytest.raises(InvalidRequestError, match="static_size"):
+        scheduler.submit([3], sampling, SpecParams(method="frspec", vocab={"static_size": 10**6}), Collector())
+
+
+def test_cancel_and_deadline_free_resources(decoder):
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=1024, adaptive=False))
+    cancelled, late, ok = Collector(), Collector(), Collector()
+    sampling = SamplingParams(max_tokens=50, ignore_eos=True)
+    handle = scheduler.submit([3, 4], sampling, SpecParams(method="evospec", vocab={"static_size": 32}), cancelled)
+    scheduler.submit([3, 4], sampling, SpecParams(method="sd"), late, deadline=0.0)  # already past
+    scheduler.submit([3, 4], sampling, SpecParams(method="sd"), ok)
+    scheduler.step()
+    handle.cancel()
+    scheduler.run_until_idle()
+    assert cancelled.finished is None and len(cancelled.tokens) < 50  # no events after the cancel
+    assert isinstance(late.finished, Failed) and isinstance(late.finished.error, DeadlineExceeded)
+    assert isinstance(ok.finished, Finished) and len(ok.tokens) == 50
+    assert scheduler.arena.free_tokens == scheduler.arena.capacity
+    assert not scheduler.drafter.sessions
+
+
+def test_scheduler_thread_serves_concurrent_submitters_and_stops(decoder):
+    import threading
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096)).start()
+    done = [threading.Event() for _ in range(6)]
+    sinks = []
+    for i in range(6):
+        sink = Collector()
+        sinks.append(sink)
+
+        def on_event(event, sink=sink, ev=done[i]):
+            sink.events.append(event)
+            if isinstance(event, Finished | Failed):
+                ev.set()
+        scheduler.submit([4 + i, 5], SamplingParams(max_tokens=16, ignore_eos=True),
+                         SpecParams(method=["ar", "sd", "frspec"][i % 3], vocab={"static_size": 64}), on_event)
+    assert all(e.wait(60) for e in done)
+    scheduler.stop()
+    for i, sink in enumerate(sinks):
+        spec = SpecParams(method=["ar", "sd", "frspec"][i % 3], vocab={"static_size": 64})
+        assert sink.tokens == oracle(decoder, [4 + i, 5], SamplingParams(max_tokens=16, ignore_eos=True),
+                                     spec).output_ids
