@@ -246,7 +246,7 @@ def cmd_vocab(args) -> int:
     return 0
 
 
-BENCH_SUITES = ("v1", "grid", "random", "decoupled", "real")
+BENCH_SUITES = ("v1", "grid", "random", "decoupled", "real", "concurrency")
 PASSTHROUGH = {"loadtest": "evospec.loadtest.run", "loadtest-sweep": "evospec.loadtest.sweep",
                "train-tiny": "evospec.tiny_pair.train"}
 

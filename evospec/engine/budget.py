@@ -2,51 +2,99 @@
 the whole batch, the one with the highest expected goodput = committed tokens / step time, from measured step costs
 and each request's measured acceptance.
 
-- Committed tokens of request i at depth k: 1 + sum_{j=1..k_i} alpha_i^j, with k_i = min(k, its own depth) and
-  alpha_i its acceptance rate per tree level (the 1 is the bonus token the target always adds).
-- Step time: one target forward over T = prefill tokens + sum_i (1 + nodes_i(k)) tokens, plus, when k > 0, the draft:
-  one feed forward and k - 1 level forwards (the draft's own cost, whether in this process or behind a stream).
+- Committed tokens of request i at depth k: 1 + its expected accepted length at depth min(k, its own depth), from
+  its measured per-level acceptance (`Acceptance`; the 1 is the bonus token the target always adds).
+- Step time: one target forward over T = prefill tokens + sum_i (1 + nodes_i(k)) tokens (a measured table by T),
+  plus, when k > 0, what drafting adds: per step, per session, per level and per level-row (least squares over
+  measured steps), whether the draft runs in this process or behind a stream.
 - k = 0 is plain decoding (no draft forward at all), so the chosen k never has a lower expected goodput than `ar`.
 
-Costs start from a measurement at start-up and follow the measured steps (least squares with forgetting), so a busy
-machine, a slower draft replica or longer contexts move the choice. Choosing the shape never looks at the draft's
+Costs start from a measurement at start-up and follow the measured steps (with forgetting), so a busy machine, a
+slower draft replica or longer contexts move the choice. Choosing the shape never looks at the draft's
 tokens, so verification stays lossless whatever is chosen.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from evospec.config import TreeParams
 
 
-class LinearCost:
-    """seconds ~= a + b * x, refit online by exponentially weighted least squares."""
+class OnlineCost:
+    """seconds ~= w . features, least squares over start-up calibration points (kept for good: they span sizes the
+    steady state may never visit, so the slope stays known) and measured steps (exponentially forgotten: they set the
+    level under the current load). A small ridge keeps it defined; weights are clamped at 0."""
 
-    def __init__(self, points: list[tuple[float, float]], decay: float = 0.97):
-        self.decay = decay
-        self._s = [0.0] * 5  # weighted sums of 1, x, x^2, y, x*y
-        for x, y in points:
-            self.update(x, y, decay=1.0)
-        self.a, self.b = self._fit()
+    def __init__(self, num_features: int, decay: float = 0.98, ridge: float = 1e-6):
+        self.decay, self.ridge = decay, ridge
+        self._calibration = (np.zeros((num_features, num_features)), np.zeros(num_features))
+        self._measured = (np.zeros((num_features, num_features)), np.zeros(num_features))
+        self.weights = np.zeros(num_features)
 
-    def update(self, x: float, y: float, decay: float | None = None) -> None:
-        d = self.decay if decay is None else decay
-        self._s = [d * s + v for s, v in zip(self._s, (1.0, x, x * x, y, x * y))]
-        if decay is None:
-            self.a, self.b = self._fit()
+    def calibrate(self, features: list[float], seconds: float) -> None:
+        x = np.asarray(features, dtype=np.float64)
+        self._calibration = (self._calibration[0] + np.outer(x, x), self._calibration[1] + x * seconds)
+        self._fit()
 
-    def _fit(self) -> tuple[float, float]:
-        n, sx, sxx, sy, sxy = self._s
-        det = n * sxx - sx * sx
-        if n <= 0:
-            return 0.0, 0.0
-        if abs(det) < 1e-12 * max(1.0, n * sxx):  # one distinct x so far: a flat cost through the mean
-            return sy / n, 0.0
-        b = max((n * sxy - sx * sy) / det, 0.0)  # a forward never gets cheaper with more tokens
-        return max((sy - b * sx) / n, 0.0), b
+    def update(self, features: list[float], seconds: float) -> None:
+        x = np.asarray(features, dtype=np.float64)
+        xtx, xty = self._measured
+        self._measured = (self.decay * xtx + np.outer(x, x), self.decay * xty + x * seconds)
+        self._fit()
 
-    def __call__(self, x: float) -> float:
-        return self.a + self.b * x
+    def _fit(self) -> None:
+        xtx = self._calibration[0] + self._measured[0]
+        xty = self._calibration[1] + self._measured[1]
+        reg = self.ridge * max(1.0, float(np.trace(xtx))) * np.eye(len(xty))
+        self.weights = np.clip(np.linalg.solve(xtx + reg, xty), 0.0, None)
+
+    def __call__(self, features: list[float]) -> float:
+        return float(self.weights @ np.asarray(features, dtype=np.float64))
+
+
+class TokenCostTable:
+    """Seconds of one target forward by its number of tokens: a table of measured sizes (start-up calibration, then
+    every plain step, averaged with forgetting), linear between them. A table, not a line: on a CPU a forward costs
+    about the same for 1 to ~8 tokens (weights are read once) and grows linearly beyond (compute)."""
+
+    def __init__(self, decay: float = 0.8, max_sizes: int = 4096):
+        self.decay, self.max_sizes = decay, max_sizes
+        self._seconds: dict[int, float] = {}
+
+    def update(self, tokens: int, seconds: float) -> None:
+        old = self._seconds.get(tokens)
+        if old is not None:
+            self._seconds[tokens] = self.decay * old + (1 - self.decay) * seconds
+        elif len(self._seconds) < self.max_sizes:
+            self._seconds[tokens] = seconds
+
+    def __call__(self, tokens: int) -> float:
+        if tokens in self._seconds:
+            return self._seconds[tokens]
+        sizes = sorted(self._seconds)
+        if not sizes:
+            return 0.0
+        if tokens < sizes[0]:
+            return self._seconds[sizes[0]]
+        hi = next((s for s in sizes if s > tokens), None)
+        lo = max(s for s in sizes if s < tokens)
+        if hi is None:  # beyond the largest measured size: extend the last segment's slope
+            below = [s for s in sizes if s < lo]
+            if not below:
+                return self._seconds[lo] * tokens / lo
+            prev = below[-1]
+            slope = max(0.0, (self._seconds[lo] - self._seconds[prev]) / (lo - prev))
+            return self._seconds[lo] + slope * (tokens - lo)
+        w = (tokens - lo) / (hi - lo)
+        return (1 - w) * self._seconds[lo] + w * self._seconds[hi]
+
+
+def draft_features(depth: int, sessions: int, rows_per_level: int) -> list[float]:
+    """The draft side of one step: per step, per drafting session (feed, feedback, buffer update), per level, and
+    per level and row (forward and head)."""
+    return [1.0, float(sessions), float(depth), float(depth * rows_per_level)]
 
 
 def tree_nodes(params: TreeParams) -> int:
@@ -72,50 +120,90 @@ def clip_depth(params: TreeParams, k: int) -> TreeParams:
 
 @dataclass
 class Acceptance:
-    """Tree levels a request's drafts reached (attempted) and the verifier accepted, with a prior."""
-    accepted: float = 0.0
-    attempted: float = 0.0
+    """Per tree level j: steps whose tree reached level j with levels 1..j-1 accepted (`reached`), and steps where
+    level j was accepted too (`passed`). Real acceptance is not geometric (early levels pass more often), so the
+    expected accepted length at depth k is sum_{j<=k} prod_{i<=j} rate_i over these measured per-level rates."""
+    reached: list[float] = field(default_factory=list)
+    passed: list[float] = field(default_factory=list)
 
     def record(self, depth_drafted: int, accepted_len: int) -> None:
-        if depth_drafted > 0:
-            self.accepted += accepted_len
-            self.attempted += min(accepted_len + 1, depth_drafted)
+        while len(self.reached) < depth_drafted:
+            self.reached.append(0.0)
+            self.passed.append(0.0)
+        for j in range(min(accepted_len + 1, depth_drafted)):
+            self.reached[j] += 1
+            self.passed[j] += j < accepted_len
 
-    def rate(self, prior: float, prior_weight: float = 4.0) -> float:
-        return min((self.accepted + prior * prior_weight) / (self.attempted + prior_weight), 0.99)
+    def rate(self, level: int, prior: float, prior_weight: float = 4.0) -> float:
+        """Acceptance of level `level` (0-based) given the levels before it, shrunk towards `prior`."""
+        reached = self.reached[level] if level < len(self.reached) else 0.0
+        passed = self.passed[level] if level < len(self.passed) else 0.0
+        return min((passed + prior * prior_weight) / (reached + prior_weight), 0.99)
+
+    def expected_accepted(self, depth: int, priors: list[float]) -> float:
+        total, survive = 0.0, 1.0
+        for j in range(depth):
+            survive *= self.rate(j, priors[j])
+            total += survive
+        return total
 
 
 class SpeculationBudget:
-    def __init__(self, target_cost: LinearCost, draft_level_cost: LinearCost, prior_alpha: float = 0.6):
-        self.target_cost = target_cost  # seconds of one target forward vs tokens
-        self.draft_level_cost = draft_level_cost  # seconds of one draft forward (feed or level) vs rows
+    def __init__(self, target_cost: TokenCostTable, draft_cost: OnlineCost, prior_alpha: float = 0.6,
+                 explore_every: int = 64):
+        self.target_cost = target_cost  # one target forward alone, by tokens
+        self.draft_cost = draft_cost  # what drafting adds to a step, over draft_features
         self.prior_alpha = prior_alpha  # acceptance of a request before it has drafted
         self.global_acceptance = Acceptance()
+        self.explore_every = explore_every  # after this many steps without a draft, draft once to re-measure
+        self._steps_without_draft = 0
 
-    def prior(self) -> float:
-        return self.global_acceptance.rate(self.prior_alpha, prior_weight=16.0)
+    def record_step(self, tokens: int, target_seconds: float, depth: int = 0, sessions: int = 0,
+                    rows_per_level: int = 0, draft_seconds: float = 0.0) -> None:
+        """One engine step: its target forward over `tokens`, and, when it drafted (`depth` levels for `sessions`
+        sessions), the draft side's seconds (trees and feedback). Drafting is charged everything it added: its own
+        time plus what the target took beyond its cost alone (on a shared CPU the draft's weights push the target's
+        out of the caches)."""
+        if depth == 0:
+            self.target_cost.update(tokens, target_seconds)
+            return
+        excess = max(0.0, target_seconds - self.target_cost(tokens))
+        self.draft_cost.update(draft_features(depth, sessions, rows_per_level), draft_seconds + excess)
+
+    def priors(self, depth: int) -> list[float]:
+        """Per-level acceptance of a request that has not drafted that deep yet: every request's, so far."""
+        return [self.global_acceptance.rate(j, self.prior_alpha, prior_weight=16.0) for j in range(depth)]
 
     def choose(self, requests: list[tuple[TreeParams, Acceptance]], prefill_tokens: int) -> int:
         """The draft depth k (0 = no draft this step) with the best expected goodput for these requests."""
         if not requests:
             return 0
-        prior = self.prior()
-        alphas = [acc.rate(prior) for _, acc in requests]
+        rows = sum(1 if p.shape == "chain" else p.branching for p, _ in requests)
         max_depth = max(tree_depth(p) for p, _ in requests)
+        priors = self.priors(max_depth)
         best_k, best = 0, -1.0
+        best_nonzero, best_nonzero_goodput = 0, -1.0
         for k in range(max_depth + 1):
-            tokens, committed, rows = prefill_tokens, 0.0, 0
-            for (params, _), alpha in zip(requests, alphas):
-                clipped = clip_depth(params, k) if k else None
-                nodes = tree_nodes(clipped) if clipped else 0
-                depth = tree_depth(clipped) if clipped else 0
-                tokens += 1 + nodes
-                committed += 1 + sum(alpha ** j for j in range(1, depth + 1))
-                rows += 1 if params.shape == "chain" else params.branching
+            tokens, committed = prefill_tokens, 0.0
+            for params, acceptance in requests:
+                depth = tree_depth(clip_depth(params, k)) if k else 0
+                tokens += 1 + (tree_nodes(clip_depth(params, k)) if k else 0)
+                committed += 1 + acceptance.expected_accepted(depth, priors)
             seconds = self.target_cost(tokens)
             if k:
-                seconds += k * self.draft_level_cost(rows)
+                seconds += self.draft_cost(draft_features(k, len(requests), rows))
             goodput = committed / max(seconds, 1e-9)
             if goodput > best * 1.0001:  # ties go to the shallower depth
                 best_k, best = k, goodput
+            if k and goodput > best_nonzero_goodput:
+                best_nonzero, best_nonzero_goodput = k, goodput
+        if best_k == 0 and max_depth > 0:
+            # Costs learnt only from drafting steps go stale while nobody drafts (load fell, a draft got faster):
+            # now and then draft anyway, at the depth the model finds least bad, to measure again.
+            self._steps_without_draft += 1
+            if self._steps_without_draft >= self.explore_every:
+                self._steps_without_draft = 0
+                return best_nonzero
+        else:
+            self._steps_without_draft = 0
         return best_k

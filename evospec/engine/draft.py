@@ -24,6 +24,7 @@ from evospec.model import KVCache, Qwen3, Segment
 from evospec.sampling import logits_to_probs, sample_without_replacement
 from evospec.tree import DraftTree
 from evospec.verify import VerifyResult
+from evospec.vocab.active import batched_logits
 from evospec.vocab.policy import SessionVocab, VocabPolicy
 from evospec.vocab.retrieval import TargetFeedback
 
@@ -88,18 +89,34 @@ class DraftEngine:
         for session, n in prefills:
             session.cache.advance(n)
             offset += n
+        last_rows = []
         for b, seg in zip(builders, segments[len(prefills):]):
-            b.on_feed(hidden[offset:offset + seg.num_tokens])
+            b.session.cache.advance(seg.num_tokens)
             offset += seg.num_tokens
+            last_rows.append(hidden[offset - 1:offset])  # the root's distribution comes from the last fed token
+        for b, logits in zip(builders, self._heads(builders, last_rows)):
+            b.on_feed(logits[0])
         while True:
             level = [(b, seg) for b in builders if (seg := b.frontier_segment()) is not None]
             if not level:
                 return [b.tree() for b in builders]
             hidden = self.model.forward_packed([seg for _, seg in level])
-            offset = 0
-            for b, seg in level:
-                b.on_frontier(hidden[offset:offset + seg.num_tokens])
+            rows, offset = [], 0
+            for _, seg in level:
+                rows.append(hidden[offset:offset + seg.num_tokens])
                 offset += seg.num_tokens
+            for (b, _), logits in zip(level, self._heads([b for b, _ in level], rows)):
+                b.on_frontier(logits)
+
+    @staticmethod
+    def _heads(builders: list["TreeBuilder"], hiddens: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Draft logits over each session's A (batched_logits), its time shared out as the sessions' head time."""
+        start = time.perf_counter()
+        logits = batched_logits(hiddens, [b.session.vocab.active for b in builders])
+        share = (time.perf_counter() - start) / max(1, len(builders))
+        for b in builders:
+            b.session.head_seconds += share
+        return logits
 
     @staticmethod
     def prefill_segment(session: DraftSession, n: int) -> Segment:
@@ -147,26 +164,19 @@ class TreeBuilder:
         self.base = 0  # first scratch slot for tree nodes
         self._pending_frontier: list[int] = []
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden] -> draft logits over A, [n, |A|] (the pruned head, timed)."""
-        start = time.perf_counter()
-        logits = self.session.vocab.active.logits(hidden)
-        self.session.head_seconds += time.perf_counter() - start
-        return logits
-
     def feed_segment(self) -> Segment:
         """Committed tokens not in the draft cache yet (at least the last bonus token), as a chain."""
         cache = self.session.cache
         chain = self.session.tokens[cache.length:]
-        return Segment(cache, torch.tensor(chain, dtype=torch.long), torch.arange(cache.length, cache.length + len(chain)),
-                       chain_then_tree_mask(cache.length, len(chain), None), cache.length)
+        start = cache.length
+        return Segment(cache, torch.tensor(chain, dtype=torch.long), torch.arange(start, start + len(chain)),
+                       chain_then_tree_mask(start, len(chain), None), start)
 
-    def on_feed(self, hidden: torch.Tensor) -> None:
-        session = self.session
-        session.cache.advance(hidden.shape[0])
-        self.base = session.cache.length
-        session.forwarded_slot = {}
-        self.frontier = self._add_children(-1, self._logits(hidden[-1:])[0])
+    def on_feed(self, root_logits: torch.Tensor) -> None:
+        """root_logits: [|A|], after the fed chain is in the cache."""
+        self.base = self.session.cache.length
+        self.session.forwarded_slot = {}
+        self.frontier = self._add_children(-1, root_logits)
 
     def frontier_segment(self) -> Segment | None:
         """The best `branching` new nodes by cumulative score (EAGLE-2), forwarded into scratch slots after the
@@ -192,8 +202,8 @@ class TreeBuilder:
         return Segment(self.session.cache, torch.tensor([nodes[n].token for n in frontier], dtype=torch.long),
                        positions, mask, write_start)
 
-    def on_frontier(self, hidden: torch.Tensor) -> None:
-        logits = self._logits(hidden)  # [f, |A|]
+    def on_frontier(self, logits: torch.Tensor) -> None:
+        """logits: [f, |A|], one row per node of the last frontier segment."""
         new_level = []
         for row, node in enumerate(self._pending_frontier):
             new_level += self._add_children(node, logits[row])

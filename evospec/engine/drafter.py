@@ -110,6 +110,7 @@ class LocalBatchDrafter:
     def __init__(self, engine: DraftEngine, policies: VocabPolicies, arena: KVArena):
         self.engine, self.policies, self.arena = engine, policies, arena
         self.sessions: dict[str, DraftSession] = {}
+        self._drafted: set[str] = set()  # sessions that got a tree in the last propose
 
     def open(self, key: str, request: DraftRequest) -> None:
         """Raises OverloadedError while the draft arena has no region large enough (the request waits)."""
@@ -122,11 +123,18 @@ class LocalBatchDrafter:
     def propose(self, requests: dict[str, TreeParams], prefills: dict[str, int]) -> dict[str, DraftTree | Exception]:
         trees = self.engine.propose_many([(self.sessions[k], params) for k, params in requests.items()],
                                          [(self.sessions[k], n) for k, n in prefills.items()])
+        self._drafted = set(requests)
         return dict(zip(requests, trees))
 
     def observe(self, steps: dict[str, tuple[VerifiedStep, SpecStats]]) -> None:
+        """Sessions that drafted this step get the full feedback. One the scheduler ran without a draft (depth 0)
+        only appends its token, at a plain decoding step's cost: the draft caches it with its next feed, and the
+        vocabulary buffer does not see that step (a busy server trades those updates for throughput)."""
         for key, (verified, stats) in steps.items():
-            observe_locally(self.engine, self.sessions[key], verified, stats)
+            if key in self._drafted:
+                observe_locally(self.engine, self.sessions[key], verified, stats)
+            else:
+                self.engine.commit(self.sessions[key], verified.result)
 
     def close(self, key: str) -> None:
         session = self.sessions.pop(key, None)

@@ -24,7 +24,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from evospec.config import SamplingParams, SchedulerConfig, SpecParams, draft_seed
-from evospec.engine.budget import Acceptance, LinearCost, SpeculationBudget, clip_depth, tree_depth
+from evospec.engine.budget import (
+    Acceptance,
+    OnlineCost,
+    SpeculationBudget,
+    TokenCostTable,
+    clip_depth,
+    draft_features,
+    tree_depth,
+)
 from evospec.engine.drafter import BatchDrafter, DraftRequest, LocalBatchDrafter
 from evospec.engine.generate import SpeculativeDecoder, apply_stop_rules
 from evospec.engine.stats import SpecStats
@@ -198,8 +206,16 @@ class Scheduler:
         prefills = self._plan_prefill()
         decoding = [r for r in self._running.values() if r.target.prefill_remaining == 0]
         k = self._choose_depth([r for r in decoding if r.speculative], sum(prefills.values()))
+        draft_prefill = any(self._running[key].drafted for key in prefills)
+        start = time.perf_counter()
         trees = self._draft(decoding, prefills, k)
-        self._verify(decoding, prefills, trees)
+        draft_seconds = time.perf_counter() - start
+        tokens, target_seconds, feedback_seconds = self._verify(decoding, prefills, trees)
+        if self.budget is not None and not draft_prefill:  # a draft prefill chunk would skew the per-level cost
+            drafting = [r for r in decoding if r.key in trees]
+            rows = sum(1 if r.spec.tree.shape == "chain" else r.spec.tree.branching for r in drafting)
+            self.budget.record_step(tokens, target_seconds, k if trees else 0, len(drafting), rows,
+                                    draft_seconds + feedback_seconds)
         self.steps += 1
         self.depth_histogram[k] += 1
 
@@ -282,12 +298,12 @@ class Scheduler:
             elif key in requests:
                 trees[key] = tree
                 self._running[key].stats.draft_seconds += seconds
-        if requests and not draft_prefills and self.budget is not None:
-            rows = sum(1 if p.shape == "chain" else p.branching for p in requests.values())
-            self.budget.draft_level_cost.update(rows, seconds / max(k, 1))
         return trees
 
-    def _verify(self, decoding: list[_Request], prefills: dict[str, int], trees: dict[str, DraftTree]) -> None:
+    def _verify(self, decoding: list[_Request], prefills: dict[str, int],
+                trees: dict[str, DraftTree]) -> tuple[int, float, float]:
+        """Target forward, verification, commit, events; then the draft's feedback. Returns the target forward's
+        tokens and seconds, and the feedback's seconds (draft-side work, like drafting itself)."""
         decoding = [r for r in decoding if r.key in self._running]  # a draft failure may have ended some
         prefill_items = [(r.target, n) for key, n in prefills.items() if (r := self._running.get(key))]
         verifies = [(r, trees.get(r.key, DraftTree.empty())) for r in decoding]
@@ -297,11 +313,10 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 - an engine error fails this step's requests, never the thread
             for request in list(self._running.values()):
                 self._fail(request, exc)
-            return
+            return 0, 0.0, 0.0
         seconds = time.perf_counter() - start
-        if self.budget is not None:
-            self.budget.target_cost.update(sum(n for _, n in prefill_items) + sum(1 + t.size for _, t in verifies),
-                                           seconds)
+        forward_tokens = sum(n for _, n in prefill_items) + sum(1 + t.size for _, t in verifies)
+        verify_seconds = seconds
         feedback = {}
         for (request, tree), verified in zip(verifies, steps):
             stats = request.stats
@@ -335,6 +350,8 @@ class Scheduler:
             seconds = time.perf_counter() - start
             for key, (_, stats) in feedback.items():
                 stats.draft_seconds += seconds
+            return forward_tokens, verify_seconds, seconds
+        return forward_tokens, verify_seconds, 0.0
 
     # ---- bookkeeping --------------------------------------------------------------------------------------------
     def _release(self, request: _Request) -> None:
@@ -361,12 +378,19 @@ class Scheduler:
             request.cancelled.set()
 
     def _measured_budget(self) -> SpeculationBudget:
-        """Start-up costs: target forwards of 1/16/64 tokens, draft forwards (with its head) of 1/8 rows."""
-        target = forward_seconds(self.decoder.target.model, sizes=(1, 16, 64), repeats=2)
-        target_cost = LinearCost([(n, s) for n, s in target.items()])
+        """Start-up costs: target forwards (with the full head) of 1/16/64 tokens, and draft forwards of 1/8 rows
+        without any head. The draft's estimate is optimistic on purpose: the first steps then draft, measure what
+        drafting really costs with each method's head, and the estimate follows (a pessimistic start would never
+        draft, so it would never learn otherwise)."""
+        target_cost, draft_cost = TokenCostTable(), OnlineCost(4)
+        target = forward_seconds(self.decoder.target.model, sizes=(1, 2, 4, 8, 16, 32, 64, 128), repeats=2,
+                                 with_head=True)
+        for n, seconds in target.items():
+            target_cost.update(n, seconds)
         if self.decoder.draft is not None:
-            draft = forward_seconds(self.decoder.draft.model, sizes=(1, 8), repeats=2, with_head=True)
-            draft_cost = LinearCost([(n, s) for n, s in draft.items()])
-        else:  # a remote draft: learnt from the first steps; start at a third of a target step
-            draft_cost = LinearCost([(1, target[1] / 3)])
-        return SpeculationBudget(target_cost, draft_cost)
+            draft = forward_seconds(self.decoder.draft.model, sizes=(1, 8), repeats=2)
+            for sessions, seconds in draft.items():  # a depth-1 step of `sessions` chains
+                draft_cost.calibrate(draft_features(1, sessions, sessions), seconds)
+        else:  # a remote draft: learnt from the first steps; start at a tenth of a target step per level
+            draft_cost.calibrate(draft_features(1, 1, 1), target[1] / 10)
+        return SpeculationBudget(target_cost, draft_cost, explore_every=32)

@@ -329,15 +329,16 @@ def forward_seconds(model: Qwen3, sizes=(1, 2), context: int = 32, repeats: int 
     from evospec.kernels.tree import chain_then_tree_mask
     padding, model.pad_single_token = model.pad_single_token, False
     try:
+        vocab = model.cfg.vocab_size
         cache = model.new_cache(context + max(sizes))
-        model(torch.arange(context), torch.arange(context), cache, chain_then_tree_mask(0, context, None))
+        model(torch.arange(context) % vocab, torch.arange(context), cache, chain_then_tree_mask(0, context, None))
         cache.advance(context)
         cost = {}
         for n in sizes:
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                hidden = model(torch.arange(n), torch.arange(context, context + n), cache,
+                hidden = model(torch.arange(n) % vocab, torch.arange(context, context + n), cache,
                                chain_then_tree_mask(context, n, None))
                 if with_head:
                     model.full_logits(hidden)

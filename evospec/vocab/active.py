@@ -31,11 +31,14 @@ class ActiveVocab:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] -> [n, K + Dyna] float32 logits over the active rows."""
-        static = pruned_logits(hidden, self.static_rows)
+        return self.with_dynamic(hidden, pruned_logits(hidden, self.static_rows))
+
+    def with_dynamic(self, hidden: torch.Tensor, static_logits: torch.Tensor) -> torch.Tensor:
+        """Static logits [n, K] -> [n, K + Dyna] with this session's dynamic block appended."""
         if self.dynamic_rows is None:
-            return static
+            return static_logits
         dynamic = pruned_logits(hidden, self.dynamic_rows, self.dynamic_valid) + self.dynamic_bias
-        return torch.cat([static, dynamic], dim=-1)
+        return torch.cat([static_logits, dynamic], dim=-1)
 
     def contains_mask(self, vocab_size: int) -> torch.Tensor:
         """[vocab_size] bool: which full ids are in A."""
@@ -69,3 +72,21 @@ def static_vocab(head_weight: torch.Tensor, static_ids: torch.Tensor) -> ActiveV
     """A = S (method `frspec`; EvoSpec adds dynamic slots per session with `with_dynamic_slots`)."""
     static_ids = static_ids.to(head_weight.device)
     return ActiveVocab(static_ids.clone(), gather_head_rows(head_weight, static_ids))  # [K, hidden], gathered once
+
+
+def batched_logits(hiddens: list[torch.Tensor], actives: list[ActiveVocab]) -> list[torch.Tensor]:
+    """Several sessions' draft logits (hiddens[i]: [n_i, hidden] scored over actives[i]) with one matmul per shared
+    static block: reading the head's rows dominates a draft step, and sessions of one method and static size share
+    them, so a batch reads them once per tree level instead of once per session."""
+    groups: dict[int, list[int]] = {}
+    for i, active in enumerate(actives):
+        groups.setdefault(id(active.static_rows), []).append(i)
+    out: list[torch.Tensor | None] = [None] * len(actives)
+    for members in groups.values():
+        static = pruned_logits(torch.cat([hiddens[i] for i in members]), actives[members[0]].static_rows)
+        offset = 0
+        for i in members:
+            n = hiddens[i].shape[0]
+            out[i] = actives[i].with_dynamic(hiddens[i], static[offset:offset + n])
+            offset += n
+    return out

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from evospec.config import SamplingParams, SchedulerConfig, SpecParams, TreeParams
-from evospec.engine.budget import LinearCost, SpeculationBudget
+from evospec.engine.budget import OnlineCost, SpeculationBudget, TokenCostTable
 from evospec.engine.generate import SpeculativeDecoder
 from evospec.engine.scheduler import DeadlineExceeded, Failed, Finished, Scheduler, TokensOut
 from evospec.errors import InvalidRequestError, OverloadedError
@@ -175,7 +175,7 @@ class RandomDepth(SpeculationBudget):
     """A draft depth drawn at random each step: any choice made without looking at the draft's tokens is lossless."""
 
     def __init__(self, seed):
-        super().__init__(LinearCost([(1, 1.0)]), LinearCost([(1, 1.0)]))
+        super().__init__(TokenCostTable(), OnlineCost(4))
         self.rng = random.Random(seed)
 
     def choose(self, requests, prefill_tokens):
@@ -282,3 +282,26 @@ def test_scheduler_thread_serves_concurrent_submitters_and_stops(decoder):
         spec = SpecParams(method=["ar", "sd", "frspec"][i % 3], vocab={"static_size": 64})
         assert sink.tokens == oracle(decoder, [4 + i, 5], SamplingParams(max_tokens=16, ignore_eos=True),
                                      spec).output_ids
+
+
+def test_budget_picks_depth_by_goodput_and_re_measures():
+    from evospec.engine.budget import Acceptance, draft_features
+
+    def budget(draft_level_seconds, per_token=0.0001):
+        target, draft = TokenCostTable(), OnlineCost(4)
+        for tokens in (1, 8, 64):
+            target.update(tokens, 0.010 + per_token * tokens)
+        for depth in (1, 2, 4):
+            for sessions in (1, 8):
+                draft.calibrate(draft_features(depth, sessions, sessions), depth * draft_level_seconds)
+        return SpeculationBudget(target, draft, explore_every=5)
+
+    chain = TreeParams(shape="chain", num_draft_tokens=6)
+    sure, unsure = Acceptance([100.0] * 6, [95.0] * 6), Acceptance([100.0] * 6, [5.0] * 6)
+    assert budget(0.0005).choose([(chain, sure)] * 4, 0) == 6  # cheap draft, high acceptance: the whole chain
+    expensive = budget(0.02)
+    picks = [expensive.choose([(chain, unsure)] * 4, 0) for _ in range(5)]
+    assert picks[:4] == [0, 0, 0, 0] and picks[4] > 0  # plain decoding, then one step to measure again
+    busy = budget(0.0005, per_token=0.001)  # a target whose forward grows fast with tokens (compute-bound)
+    light, heavy = busy.choose([(chain, sure)], 0), busy.choose([(chain, sure)] * 32, 0)
+    assert light == 6 and 0 < heavy < light  # the busier the step, the shallower the speculation
