@@ -103,7 +103,7 @@ class SchedulerConfig(BaseModel):
     delays the others' next tokens by at most one chunk. adaptive: choose each step's draft depth from measured step
     costs and acceptance (goodput); off = every request drafts its full tree (the per-request loop's behaviour)."""
     model_config = ConfigDict(frozen=True, extra="forbid")
-    kv_tokens: int = Field(65536, ge=16)
+    kv_tokens: int = Field(32768, ge=16)
     draft_kv_tokens: int | None = Field(None, ge=16)
     max_running: int = Field(64, ge=1)
     max_waiting: int = Field(256, ge=0)

@@ -1,11 +1,14 @@
 """Test fixtures that ship with the package: tiny random Qwen3 pairs (no files, no training; also used by the
-random-pair benchmark) and the chi-square check of the statistical losslessness tests."""
+random-pair benchmark), the chi-square check of the statistical losslessness tests, and a scheduler budget that
+draws the draft depth at random."""
 from __future__ import annotations
 
 import copy
+import random
 
 import torch
 
+from evospec.engine.budget import OnlineCost, SpeculationBudget, TokenCostTable
 from evospec.model.qwen3 import Qwen3, Qwen3Config
 
 
@@ -74,3 +77,15 @@ def exact_two_token_joint(target: Qwen3, prompt: list[int], sampling):
         return logits_to_probs(target.full_logits(h)[-1:], sampling)[0].double().numpy()
     p1 = next_probs(prompt)
     return np.concatenate([p1[x] * next_probs(prompt + [x]) for x in range(target.cfg.vocab_size)])
+
+
+class RandomDepth(SpeculationBudget):
+    """A draft depth in [0, max_depth] drawn at random each step: any choice made without looking at the draft's
+    tokens must be lossless, so tests drive the scheduler with this to reach every depth."""
+
+    def __init__(self, seed: int, max_depth: int = 3):
+        super().__init__(TokenCostTable(), OnlineCost(4))
+        self.rng, self.max_depth = random.Random(seed), max_depth
+
+    def choose(self, requests, prefill_tokens: int) -> int:
+        return self.rng.randrange(0, self.max_depth + 1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from evospec.config import ModelConfig, SpecParams
+from evospec.config import ModelConfig, SchedulerConfig, SpecParams
 
 # Largest internal gRPC message (a sampled tree carries a draft distribution over A per expanded node).
 INTERNAL_MAX_MESSAGE_BYTES = 64 << 20
@@ -40,5 +40,5 @@ class TargetServiceConfig(BaseModel):
     static_vocab: str | None = None  # None = the committed Spec-Bench 32k artifact (must be the draft's too)
     max_model_len: int | None = Field(None, ge=2)  # None = the model's max_position_embeddings
     default_spec: SpecParams = SpecParams()  # what a request that names no method/shape/sizes gets
-    max_concurrent_generations: int = Field(64, ge=1)  # beyond this the target answers RESOURCE_EXHAUSTED
+    scheduler: SchedulerConfig = SchedulerConfig()  # continuous batching: KV arena, running/waiting limits, chunking
     internal_timeout_s: float = Field(600.0, gt=0)  # deadline of each draft<->target stream

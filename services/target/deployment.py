@@ -43,6 +43,9 @@ class TargetDeployment:
         return {"target": self.server.num_sessions(), "draft": await self.server.drafts.num_sessions()}
 
     def __del__(self):
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.close()
         pool = getattr(self, "pool", None)
         if pool is not None:
             pool.close()

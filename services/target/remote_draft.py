@@ -14,6 +14,8 @@ from collections.abc import Awaitable, Callable
 import grpc
 import torch
 
+from evospec.config import SpecParams, TreeParams
+from evospec.engine.budget import tree_depth
 from evospec.engine.drafter import DraftRequest, feedback_for
 from evospec.engine.stats import SpecStats
 from evospec.engine.target import VerifiedStep
@@ -63,53 +65,102 @@ class DraftStreamError(EvoSpecError):
 
 
 class RemoteDrafter:
+    """One generation's end of the stream. Sending never waits: Start on creation and each Outcome in `observe`;
+    `propose` reads the draft's replies. A step that ran without a tree (the scheduler chose depth 0) still sends
+    its outcome, and the tree drafted for it is read later and dropped, after its buffer changes are mirrored."""
+
     def __init__(self, stub: spec_grpc.DraftStub, session_id: str, request: DraftRequest, mirror: ActiveSetMirror,
                  wants_candidates: bool, static_vocab_sha: str, timeout_s: float):
         self.mirror = mirror
         self.wants_candidates = wants_candidates
+        self.static_vocab_sha = static_vocab_sha
         self._feedback_seconds = 0.0  # target-side share of the buffer update (misses, candidates)
         self._requests: queue.Queue = queue.Queue()
         self._requests.put(start_to_proto(session_id, request))
         self._call = stub.Speculate(iter(self._requests.get, None), timeout=timeout_s)
-        first = self._receive()
-        if static_vocab_sha and first.static_vocab_sha and first.static_vocab_sha != static_vocab_sha:
-            self.close()
-            raise DraftStreamError(f"draft and target use different static vocabularies "
-                                   f"({first.static_vocab_sha} vs {static_vocab_sha})")
-        self._next = self._tree(first)
+        self._unread = 1  # replies the draft owes us
+        self._first = True
+        self._stats: SpecStats | None = None  # the generation's statistics, updated as replies arrive
 
     def _receive(self) -> spec_pb.DraftToTarget:
         try:
             msg = next(self._call)
         except grpc.RpcError as err:  # draft failure, deadline, cancellation
             raise DraftStreamError(f"draft: {err.details()}", err.code().name) from None
+        self._unread -= 1
+        if self._first:
+            self._first = False
+            if self.static_vocab_sha and msg.static_vocab_sha and msg.static_vocab_sha != self.static_vocab_sha:
+                self.close()
+                raise DraftStreamError(f"draft and target use different static vocabularies "
+                                       f"({msg.static_vocab_sha} vs {self.static_vocab_sha})")
         self.mirror.apply(msg.buffer_changes)  # applied by the draft before it drafted this tree
-        self._changes = sum(1 for c in msg.buffer_changes if c.token_id >= 0)
-        self._last_reply = msg
+        if self._stats is not None:
+            self._stats.buffer_updates += sum(1 for c in msg.buffer_changes if c.token_id >= 0)
+            self._stats.draft_head_seconds = msg.head_seconds
+            self._stats.buffer_update_seconds = self._feedback_seconds + msg.buffer_update_seconds
         return msg
 
-    def _tree(self, msg: spec_pb.DraftToTarget) -> DraftTree:
+    def propose(self) -> DraftTree:
+        """The tree for the current state (waits for it); older replies are read first and their trees dropped."""
+        while self._unread > 1:
+            self._receive()
+        msg = self._receive()
         return tree_from_proto(msg, self.mirror.row_ids.clone() if msg.draft_probs else None)
 
-    def propose(self) -> DraftTree:
-        return self._next
-
-    def observe(self, verified: VerifiedStep, stats: SpecStats) -> None:
+    def observe(self, verified: VerifiedStep, stats: SpecStats, used_tree: bool = True) -> None:
+        """Send the step's outcome; the draft commits it and drafts the next tree meanwhile."""
+        self._stats = stats
         candidates = {}
-        if self.mirror.restricted:
+        if self.mirror.restricted and used_tree:
             start = time.perf_counter()
             candidates = feedback_for(verified, self.mirror.mask, self.wants_candidates, stats).candidates
             self._feedback_seconds += time.perf_counter() - start
         self._requests.put(outcome_to_proto(verified.result, candidates))
-        self._next = self._tree(self._receive())
-        stats.buffer_updates += self._changes  # applied on the draft side, before it drafted the next tree
-        stats.draft_head_seconds = self._last_reply.head_seconds
-        stats.buffer_update_seconds = self._feedback_seconds + self._last_reply.buffer_update_seconds
+        self._unread += 1
 
     def close(self) -> None:
         self._requests.put(spec_pb.TargetToDraft(outcome=spec_pb.Outcome(finished=True)))
         self._requests.put(None)
         self._call.cancel()  # frees the draft session at once, even if it is mid-tree
+
+
+class RemoteBatchDrafter:
+    """The batching scheduler's drafts from a draft replica: one stream per generation (opened without waiting),
+    all sessions' outcomes sent before any reply is read, so the replica drafts them concurrently. Trees come back
+    at the request's full shape and are cut to the step's chosen depth here. (A multiplexed stream per target
+    replica, one message per engine step, is the next step: docs/architecture.md.)"""
+
+    def __init__(self, pool: "RemoteDraftPool", layout_of: Callable[[SpecParams], ActiveLayout], vocab_size: int,
+                 static_vocab_sha: str):
+        self.pool, self.layout_of = pool, layout_of
+        self.vocab_size, self.static_vocab_sha = vocab_size, static_vocab_sha
+        self.sessions: dict[str, RemoteDrafter] = {}
+        self._drafted: set[str] = set()
+
+    def open(self, key: str, request: DraftRequest) -> None:
+        self.sessions[key] = self.pool.open(key, request, self.layout_of(request.spec), self.vocab_size,
+                                            self.static_vocab_sha)
+
+    def propose(self, requests: dict[str, TreeParams], prefills: dict[str, int]) -> dict[str, DraftTree | Exception]:
+        """`prefills` is ignored: the draft replica prefills a session when it opens."""
+        trees: dict[str, DraftTree | Exception] = {}
+        for key, params in requests.items():
+            try:
+                trees[key] = self.sessions[key].propose().first_levels(tree_depth(params))
+            except Exception as exc:  # noqa: BLE001 - one session's failure is that session's
+                trees[key] = exc
+        self._drafted = set(requests)
+        return trees
+
+    def observe(self, steps: dict[str, tuple[VerifiedStep, SpecStats]]) -> None:
+        for key, (verified, stats) in steps.items():
+            self.sessions[key].observe(verified, stats, used_tree=key in self._drafted)
+
+    def close(self, key: str) -> None:
+        drafter = self.sessions.pop(key, None)
+        if drafter is not None:
+            drafter.close()
 
 
 class RemoteDraftPool:

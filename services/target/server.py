@@ -1,12 +1,13 @@
 """Transport-free target server: admission, generation as an async iterator of typed events, metrics and info.
 
 Fronts convert their wire types to `GenerateRequest` and the events back: the gRPC front today
-(services/target/grpc_api.py), an HTTP front next; a batching scheduler replaces the per-request step loop behind
-`generate` without touching either. Raises InvalidRequestError (the field to fix) and OverloadedError; nothing here
-imports gRPC or Ray.
+(services/target/grpc_api.py), an HTTP front next. Every generation of the replica runs in one continuous-batching
+`Scheduler` (evospec/engine/scheduler.py), whose drafts come from the draft replica (RemoteBatchDrafter). Raises
+InvalidRequestError (the field to fix) and OverloadedError; nothing here imports gRPC or Ray.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -16,13 +17,14 @@ from pathlib import Path
 from typing import Protocol
 
 from evospec.config import METHODS, SamplingParams, SpecParams
-from evospec.engine.drafter import DrafterFactory, DraftRequest
+from evospec.engine.drafter import DraftRequest
 from evospec.engine.generate import SpeculativeDecoder
+from evospec.engine.scheduler import Failed, Finished, Scheduler, TokensOut
 from evospec.engine.stats import SpecStats
-from evospec.errors import InvalidRequestError, OverloadedError
+from evospec.errors import InvalidRequestError
 from evospec.loading import apply_torch_threads, load_model, load_static_ids, stop_token_ids
 from evospec.services.config import TargetServiceConfig
-from evospec.services.target.threaded import iterate_in_thread
+from evospec.services.target.remote_draft import RemoteBatchDrafter
 from evospec.tokenizer import chat_prompt_ids, load_tokenizer
 from evospec.vocab.registry import ActiveLayout
 
@@ -111,12 +113,12 @@ class TargetServer:
     decoder: SpeculativeDecoder
     tokenizer: object
     drafts: DraftSide
+    scheduler: Scheduler
     default_spec: SpecParams = SpecParams()
-    max_concurrent_generations: int = 64
     static_vocab_sha: str = ""
     model_name: str = ""
     metrics: MetricsSink | None = None
-    active: dict[str, float] = field(default_factory=dict)  # request id -> start time
+    active: dict[str, float] = field(default_factory=dict)  # request key -> start time
 
     @classmethod
     def from_config(cls, cfg: TargetServiceConfig, drafts: DraftSide, metrics: MetricsSink | None = None
@@ -126,8 +128,14 @@ class TargetServer:
         static_ids, sha = load_static_ids(cfg.static_vocab)
         decoder = SpeculativeDecoder(model, None, static_ids=static_ids, max_model_len=cfg.max_model_len,
                                      eos_ids=stop_token_ids(folder))
-        return cls(decoder, load_tokenizer(str(folder)), drafts, cfg.default_spec, cfg.max_concurrent_generations,
-                   sha, str(Path(folder)), metrics)
+        drafter = RemoteBatchDrafter(drafts.pool, decoder.policies.layout, decoder.target.vocab_size, sha)
+        scheduler = Scheduler(decoder, cfg.scheduler, drafter).start()
+        return cls(decoder, load_tokenizer(str(folder)), drafts, scheduler, cfg.default_spec, sha, str(Path(folder)),
+                   metrics)
+
+    def close(self) -> None:
+        """Stop the scheduler (what still runs fails with 'shutting down')."""
+        self.scheduler.stop()
 
     def num_sessions(self) -> int:
         return len(self.active)
@@ -159,42 +167,43 @@ class TargetServer:
         messages = [{"role": m.role, "content": m.content} for m in prompt.messages]
         return chat_prompt_ids(self.tokenizer, messages, prompt.enable_thinking)
 
-    def _admit(self) -> None:
-        if len(self.active) >= self.max_concurrent_generations:
-            raise OverloadedError(f"{len(self.active)} generations running (max_concurrent_generations="
-                                  f"{self.max_concurrent_generations}); retry later")
-
-    async def _drafter_factory(self, request_id: str) -> DrafterFactory:
-        await self.drafts.pool.connect()
-        vocab_size = self.decoder.target.vocab_size
-        layout_of = self.decoder.policies.layout
-        return lambda req: self.drafts.pool.open(request_id, req, layout_of(req.spec), vocab_size,
-                                                 self.static_vocab_sha)
-
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        """Validate and admit (raising before the first event), then stream TokensEvents and one FinishedEvent.
-        Closing the iterator early (client gone) stops the generation after its current step and frees it."""
+        """Validate and queue (raising before the first event: InvalidRequestError, OverloadedError when the
+        scheduler's waiting queue is full), then stream TokensEvents and one FinishedEvent. Closing the iterator
+        early (client gone) cancels the generation; the scheduler frees it at its next step."""
         start = time.perf_counter()
-        self._admit()
         request_id = request.request_id or uuid.uuid4().hex
         key = uuid.uuid4().hex  # two requests may carry the same client-chosen id
         self.active[key] = start
+        handle = None
         try:
             prompt_ids = self.prompt_ids(request.prompt)
-            speculative = request.spec.method != "ar"
-            factory = await self._drafter_factory(request_id) if speculative else None
-            gen = self.decoder.generate(prompt_ids, request.sampling, request.spec, drafter_factory=factory)
+            if request.spec.method != "ar":
+                await self.drafts.pool.connect()
+            loop = asyncio.get_running_loop()
+            events: asyncio.Queue = asyncio.Queue()  # bounded by max_tokens: every event but the last has tokens
+            handle = self.scheduler.submit(prompt_ids, request.sampling, request.spec,
+                                           lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
             ttft = None
-            async for chunk in iterate_in_thread(iter(gen), name=f"gen-{request_id[:8]}"):
-                ttft = ttft if ttft is not None else time.perf_counter() - start
-                yield TokensEvent(request_id, chunk.token_ids, self.tokenizer.decode(chunk.token_ids))
-            e2e = time.perf_counter() - start
-            finish_reason = gen.finish_reason or ""
-            if self.metrics is not None:
-                self.metrics.record(gen.stats, request.spec.method, ttft or 0.0, e2e, finish_reason,
-                                    request.spec.vocab.dynamic_size)
-            stats = {**gen.stats.as_dict(), "ttft_seconds": ttft or 0.0, "e2e_seconds": e2e,
-                     "method": request.spec.method}
-            yield FinishedEvent(request_id, finish_reason, stats)
+            while True:
+                event = await events.get()
+                if isinstance(event, TokensOut):
+                    ttft = ttft if ttft is not None else time.perf_counter() - start
+                    yield TokensEvent(request_id, event.token_ids, self.tokenizer.decode(event.token_ids))
+                    continue
+                handle = None  # finished or failed: nothing left to cancel
+                if isinstance(event, Failed):
+                    raise event.error
+                assert isinstance(event, Finished)
+                e2e = time.perf_counter() - start
+                if self.metrics is not None:
+                    self.metrics.record(event.stats, request.spec.method, ttft or 0.0, e2e, event.finish_reason,
+                                        request.spec.vocab.dynamic_size)
+                stats = {**event.stats.as_dict(), "ttft_seconds": ttft or 0.0, "e2e_seconds": e2e,
+                         "method": request.spec.method}
+                yield FinishedEvent(request_id, event.finish_reason, stats)
+                return
         finally:
+            if handle is not None:
+                handle.cancel()
             self.active.pop(key, None)

@@ -12,7 +12,11 @@ from evospec.orchestration.local import free_port, local_ray, serve_app
 @pytest.fixture(scope="session")
 def service():
     cfg = AppConfig.from_yaml(DEFAULT_CONFIG)
-    cfg = cfg.model_copy(update={"grpc_port": free_port(), "http_port": free_port()})
+    # Every request drafts its full tree (no load-adaptive depth), so statistics and seeded samples can be compared
+    # with the per-request loop exactly; the adaptive depth is tested against the stream in test_internal_protocol.
+    scheduler = cfg.target.scheduler.model_copy(update={"adaptive": False})
+    cfg = cfg.model_copy(update={"grpc_port": free_port(), "http_port": free_port(),
+                                 "target": cfg.target.model_copy(update={"scheduler": scheduler})})
     with local_ray(num_cpus=4), serve_app(cfg) as address:
         yield address, cfg
 

@@ -7,14 +7,15 @@ import time
 import pytest
 import torch
 
-from evospec.config import SamplingParams, SpecParams, TreeParams
+from evospec.config import SamplingParams, SchedulerConfig, SpecParams, TreeParams
 from evospec.engine.draft import DraftEngine
 from evospec.engine.generate import SpeculativeDecoder
+from evospec.engine.scheduler import Scheduler
 from evospec.services.draft.server import DraftServer
 from evospec.services.draft.servicer import start_draft_server
-from evospec.services.target.remote_draft import DraftStreamError, RemoteDraftPool
+from evospec.services.target.remote_draft import DraftStreamError, RemoteBatchDrafter, RemoteDraftPool
 from evospec.services.target.server import DraftSide, FinishedEvent, GenerateRequest, Prompt, TargetServer
-from evospec.testing import random_pair
+from evospec.testing import RandomDepth, random_pair
 from evospec.vocab.registry import VocabPolicies
 
 VOCAB = 96
@@ -108,18 +109,24 @@ async def collect(server: TargetServer, request: GenerateRequest) -> tuple[list[
     return tokens, last
 
 
-@pytest.mark.parametrize("method", ["ar", "frspec", "evospec"])
-def test_target_server_streams_the_engine_output(setup, method):
-    """The transport-free TargetServer over the remote pool: same tokens and counted statistics as in process."""
-    local, remote_only, pool, draft_server, _ = setup
-
+def make_server(decoder: SpeculativeDecoder, pool: RemoteDraftPool, budget=None) -> TargetServer:
     async def nothing() -> int:
         return 0
-    server = TargetServer(remote_only, IdsTokenizer(), DraftSide(pool, model_name=nothing, num_sessions=nothing))
+    drafter = RemoteBatchDrafter(pool, decoder.policies.layout, VOCAB, "sha")
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, adaptive=False), drafter, budget=budget).start()
+    return TargetServer(decoder, IdsTokenizer(), DraftSide(pool, model_name=nothing, num_sessions=nothing), scheduler)
+
+
+@pytest.mark.parametrize("method", ["ar", "frspec", "evospec"])
+def test_target_server_streams_the_engine_output(setup, method):
+    """The transport-free TargetServer (scheduler + remote draft): same tokens and counted statistics as in process."""
+    local, remote_only, pool, draft_server, _ = setup
+    server = make_server(remote_only, pool)
     sampling = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.7, seed=11)
     spec = SpecParams(method=method, vocab={"static_size": 32, "dynamic_size": 8})
     tokens, finished = asyncio.run(collect(server, GenerateRequest(Prompt(token_ids=[4, 50, 51, 7]), sampling, spec,
                                                                    request_id="r")))
+    server.close()
     expected = local.generate([4, 50, 51, 7], sampling, spec)
     list(expected)
     assert tokens == expected.output_ids
@@ -127,4 +134,41 @@ def test_target_server_streams_the_engine_output(setup, method):
     for key in COUNTED:
         assert finished.stats[key] == getattr(expected.stats, key), key
     assert server.num_sessions() == 0
+    wait_closed(draft_server)
+
+
+async def collect_all(server: TargetServer, requests: list[GenerateRequest]):
+    return await asyncio.gather(*(collect(server, r) for r in requests))
+
+
+@pytest.mark.parametrize("varying_depth", [False, True], ids=["full-trees", "random-depth"])
+def test_concurrent_generations_batched_over_the_stream(setup, varying_depth):
+    """Many generations of every method at once, through one scheduler and per-session streams: each equals its
+    in-process run. With a random draft depth per step (trees cut by depth, steps without a tree whose drafted
+    tree is read and dropped later), greedy output still equals the target's."""
+    local, remote_only, pool, draft_server, _ = setup
+    server = make_server(remote_only, pool, budget=RandomDepth(1) if varying_depth else None)
+    requests = []
+    for i in range(12):
+        method = ["ar", "sd", "frspec", "evospec"][i % 4]
+        temperature = 0.0 if varying_depth or i % 3 else 0.9
+        tree = TreeParams(shape="chain", num_draft_tokens=3) if i % 2 else \
+            TreeParams(shape="tree", depth=3, branching=2, budget=7)
+        requests.append(GenerateRequest(
+            Prompt(token_ids=[4 + i, 50, 51, 7][: 1 + i % 4]),
+            SamplingParams(max_tokens=10 + i, ignore_eos=True, temperature=temperature, seed=i),
+            SpecParams(method=method, tree=tree, vocab={"static_size": 32, "dynamic_size": 8})))
+    results = asyncio.run(collect_all(server, requests))
+    server.close()
+    for request, (tokens, finished) in zip(requests, results):
+        p = request.prompt.token_ids
+        if varying_depth:
+            spec = SpecParams(method="ar")
+        else:
+            spec = request.spec
+        expected = local.generate(p, request.sampling, spec)
+        list(expected)
+        assert tokens == expected.output_ids, request
+        assert finished.finish_reason == "length"
+    assert server.scheduler.arena.free_tokens == server.scheduler.arena.capacity
     wait_closed(draft_server)

@@ -13,7 +13,7 @@ from evospec.engine.scheduler import DeadlineExceeded, Failed, Finished, Schedul
 from evospec.errors import InvalidRequestError, OverloadedError
 from evospec.kernels.tree import chain_then_tree_mask, chain_then_tree_positions
 from evospec.model import KVArena, Segment
-from evospec.testing import chi_square_p, exact_two_token_joint, random_pair
+from evospec.testing import RandomDepth, chi_square_p, exact_two_token_joint, random_pair
 from evospec.tree import DraftTree
 from evospec.verify import verify_batch, verify_greedy, verify_stochastic
 
@@ -169,17 +169,6 @@ def test_mixed_batch_seeded_sampling_identical_to_per_request_loop(decoder):
     scheduler.run_until_idle()
     for (prompt, sampling, spec), sink in zip(requests, sinks):
         assert sink.tokens == oracle(decoder, prompt, sampling, spec).output_ids
-
-
-class RandomDepth(SpeculationBudget):
-    """A draft depth drawn at random each step: any choice made without looking at the draft's tokens is lossless."""
-
-    def __init__(self, seed):
-        super().__init__(TokenCostTable(), OnlineCost(4))
-        self.rng = random.Random(seed)
-
-    def choose(self, requests, prefill_tokens):
-        return self.rng.randrange(0, 4)
 
 
 @pytest.mark.slow
