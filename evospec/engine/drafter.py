@@ -62,6 +62,9 @@ class BatchDrafter(Protocol):
 
     def observe(self, steps: dict[str, tuple[VerifiedStep, SpecStats]]) -> None: ...
 
+    def flush(self) -> None:
+        """End of an engine step: deliver what `observe` and `close` queued (a remote drafter sends it now)."""
+
     def close(self, key: str) -> None: ...
 
 
@@ -135,6 +138,9 @@ class LocalBatchDrafter:
                 observe_locally(self.engine, self.sessions[key], verified, stats)
             else:
                 self.engine.commit(self.sessions[key], verified.result)
+
+    def flush(self) -> None:
+        return None
 
     def close(self, key: str) -> None:
         session = self.sessions.pop(key, None)

@@ -185,6 +185,8 @@ class Scheduler:
         while True:
             with self._lock:
                 while not self._stopping and not self._waiting and not self._running:
+                    if self.drafter is not None:  # closes of the last step's sessions reach the draft now
+                        self._flush_drafter()
                     self._wakeup.wait()
                 if self._stopping:
                     break
@@ -216,6 +218,8 @@ class Scheduler:
             rows = sum(1 if r.spec.tree.shape == "chain" else r.spec.tree.branching for r in drafting)
             self.budget.record_step(tokens, target_seconds, k if trees else 0, len(drafting), rows,
                                     draft_seconds + feedback_seconds)
+        if self.drafter is not None:
+            self._flush_drafter()
         self.steps += 1
         self.depth_histogram[k] += 1
 
@@ -294,7 +298,8 @@ class Scheduler:
         trees = {}
         for key, tree in proposed.items():
             if isinstance(tree, Exception):
-                self._fail(self._running[key], tree)
+                if key in self._running:
+                    self._fail(self._running[key], tree)
             elif key in requests:
                 trees[key] = tree
                 self._running[key].stats.draft_seconds += seconds
@@ -365,6 +370,13 @@ class Scheduler:
                 self.drafter.close(request.key)
             except Exception:  # noqa: BLE001 - closing is best effort; the draft side also times sessions out
                 pass
+
+    def _flush_drafter(self) -> None:
+        try:
+            self.drafter.flush()
+        except Exception as exc:  # noqa: BLE001 - the drafter's sessions fail, the scheduler goes on
+            for request in [r for r in self._running.values() if r.drafted]:
+                self._fail(request, exc)
 
     def _fail(self, request: _Request, error: BaseException) -> None:
         self._release(request)

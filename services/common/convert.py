@@ -65,3 +65,26 @@ def outcome_to_proto(result: VerifyResult, candidates: dict[int, float]) -> spec
 def outcome_from_proto(o: spec_pb.Outcome) -> tuple[VerifyResult, dict[int, float]]:
     result = VerifyResult(list(o.accepted_nodes), list(o.accepted_tokens), o.bonus_token)
     return result, {c.token_id: c.score for c in o.buffer_candidates}
+
+
+def session_op_to_proto(session_id: str, kind: str, request: DraftRequest | None = None,
+                        result: VerifyResult | None = None,
+                        candidates: dict[int, float] | None = None) -> spec_pb.SessionOp:
+    if kind == "start":
+        return spec_pb.SessionOp(session_id=session_id, start=start_to_proto(session_id, request).start)
+    if kind == "outcome":
+        return spec_pb.SessionOp(session_id=session_id, outcome=outcome_to_proto(result, candidates or {}).outcome)
+    return spec_pb.SessionOp(session_id=session_id, close=True)
+
+
+def session_op_from_proto(op: spec_pb.SessionOp):
+    """-> (session id, kind, request, result, candidates); a StartSession is validated like `start_from_proto`."""
+    kind = op.WhichOneof("op")
+    if kind is None:
+        raise InvalidRequestError("ops.op", "set one of start, outcome or close")
+    if kind == "start":
+        return op.session_id, kind, start_from_proto(op.start), None, None
+    if kind == "outcome":
+        result, candidates = outcome_from_proto(op.outcome)
+        return op.session_id, kind, None, result, candidates
+    return op.session_id, kind, None, None, None

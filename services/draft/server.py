@@ -1,15 +1,17 @@
 """Transport-free draft server: the draft engine, the vocabulary policies and the open sessions of one replica.
 
-The gRPC servicer (services/draft/servicer.py) converts the internal stream's messages and calls `open`, `step`
-and `close`; a future batched or multiplexed front calls the same methods.
+The gRPC servicer (services/draft/servicer.py) converts the internal streams' messages: a per-generation stream calls
+`open`, `step` and `close`; a target replica's multiplexed stream calls `run_step` once per engine step, which
+applies every session's ops and drafts all their trees with one packed forward per tree level.
 """
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from evospec.engine.budget import clip_depth
 from evospec.engine.draft import DraftEngine, DraftSession
 from evospec.engine.drafter import DraftRequest
 from evospec.errors import InvalidRequestError
@@ -29,6 +31,27 @@ class DraftReply:
     changes: list[SlotChange]
     head_seconds: float  # draft LM-head time so far
     buffer_update_seconds: float  # draft-side buffer update time so far
+
+
+@dataclass
+class SessionStep:
+    """One session's share of a multiplexed step: buffer changes (applied before its tree), its tree if it drafted,
+    its totals, or the error that ended it."""
+    changes: list[SlotChange] = field(default_factory=list)
+    tree: DraftTree | None = None
+    head_seconds: float = 0.0
+    buffer_update_seconds: float = 0.0
+    error: Exception | None = None
+
+
+@dataclass(frozen=True)
+class Op:
+    """An op of a multiplexed step: open (with its request), feed back a verified step, or close."""
+    session_id: str
+    kind: str  # "start" | "outcome" | "close"
+    request: DraftRequest | None = None
+    result: VerifyResult | None = None
+    candidates: dict[int, float] | None = None
 
 
 @dataclass
@@ -61,6 +84,54 @@ class DraftServer:
 
     def open(self, session_id: str, request: DraftRequest) -> DraftReply:
         """Start a session (prefill happens in the first propose) and draft its first tree."""
+        session = self._create(session_id, request)
+        return self._reply(session, session.draft.vocab.initial_changes)
+
+    def step(self, session_id: str, result: VerifyResult, candidates: dict[int, float]) -> DraftReply:
+        """Commit the verified step, update the buffer (target-fed candidates first), draft the next tree."""
+        session = self._get(session_id)
+        return self._reply(session, self._advance(session, result, candidates))
+
+    def run_step(self, ops: list[Op], work: dict[str, tuple[int, int]]) -> dict[str, SessionStep]:
+        """One engine step of a target replica: ops in order, then trees (depth > 0) and prefill chunks for `work`
+        ({session id: (depth, prefill tokens)}) in one packed forward per level. Session ids are the caller's
+        (the servicer namespaces them per stream). A failing op ends only its session."""
+        out: dict[str, SessionStep] = {}
+        for op in ops:
+            entry = out.setdefault(op.session_id, SessionStep())
+            try:
+                if op.kind == "start":
+                    entry.changes += self._create(op.session_id, op.request).draft.vocab.initial_changes
+                elif op.kind == "outcome":
+                    entry.changes += self._advance(self._get(op.session_id), op.result, op.candidates or {})
+                else:
+                    self.close(op.session_id)
+            except Exception as exc:  # noqa: BLE001 - reported for this session only
+                self.close(op.session_id)
+                entry.error = exc
+        live = {sid: (depth, prefill) for sid, (depth, prefill) in work.items()
+                if out.get(sid, SessionStep()).error is None}
+        sessions = {sid: self._get_or_error(sid, out) for sid in live}
+        requests = [(s.draft, clip_depth(s.draft.tree_params, live[sid][0]))
+                    for sid, s in sessions.items() if s is not None and live[sid][0] > 0]
+        prefills = [(s.draft, live[sid][1]) for sid, s in sessions.items() if s is not None and live[sid][1] > 0]
+        if requests or prefills:
+            try:
+                trees = self.engine.propose_many(requests, prefills)
+            except Exception as exc:  # noqa: BLE001 - the step's drafting failed for every session in it
+                for sid in sessions:
+                    out.setdefault(sid, SessionStep()).error = exc
+                return out
+            drafting = [sid for sid, s in sessions.items() if s is not None and live[sid][0] > 0]
+            for sid, tree in zip(drafting, trees):
+                out.setdefault(sid, SessionStep()).tree = tree
+        for sid, entry in out.items():
+            session = self._sessions.get(sid)
+            if session is not None:
+                entry.head_seconds, entry.buffer_update_seconds = session.draft.head_seconds, session.update_seconds
+        return out
+
+    def _create(self, session_id: str, request: DraftRequest) -> _Session:
         if request.spec.method == "ar":
             raise InvalidRequestError("start.vocab.method", "'ar' drafts nothing; it never opens a draft session")
         draft = self.engine.start(request.prompt_ids, request.sampling, request.spec.tree,
@@ -70,15 +141,20 @@ class DraftServer:
             if session_id in self._sessions:
                 raise InvalidRequestError("start.session_id", f"{session_id!r} is already open")
             self._sessions[session_id] = session
-        return self._reply(session, draft.vocab.initial_changes)
+        return session
 
-    def step(self, session_id: str, result: VerifyResult, candidates: dict[int, float]) -> DraftReply:
-        """Commit the verified step, update the buffer (target-fed candidates first), draft the next tree."""
-        session = self._get(session_id)
+    def _advance(self, session: _Session, result: VerifyResult, candidates: dict[int, float]) -> list[SlotChange]:
         start = time.perf_counter()
         changes = self.engine.advance(session.draft, result, TargetFeedback(0, 0, candidates))
         session.update_seconds += time.perf_counter() - start
-        return self._reply(session, changes)
+        return changes
+
+    def _get_or_error(self, session_id: str, out: dict[str, SessionStep]) -> _Session | None:
+        try:
+            return self._get(session_id)
+        except InvalidRequestError as exc:
+            out.setdefault(session_id, SessionStep()).error = exc
+            return None
 
     def close(self, session_id: str) -> None:
         with self._lock:

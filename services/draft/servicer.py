@@ -1,8 +1,10 @@
-"""gRPC front of the draft server: one bidirectional `Speculate` stream per generation (evospec.internal.v1).
+"""gRPC front of the draft server (evospec.internal.v1): `SpeculateBatch`, one multiplexed stream per target
+replica carrying every session of its engine steps (what the service uses), and `Speculate`, one stream per
+generation (the per-request loop's remote drafter).
 
-Runs on a plain `grpc.server` (thread pool) inside the draft replica: each stream's handler thread owns its session,
-so torch work for different generations runs in parallel threads and the stream costs ~0.2 ms per message. It only
-converts messages and delegates to `DraftServer`.
+Runs on a plain `grpc.server` (thread pool) inside the draft replica: each stream's handler thread owns its sessions,
+so different target replicas' work runs in parallel threads and a message costs ~0.2 ms. It only converts messages
+and delegates to `DraftServer`.
 """
 from __future__ import annotations
 
@@ -13,10 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from evospec.errors import InvalidRequestError
-from evospec.services.common.convert import outcome_from_proto, start_from_proto, tree_to_proto
-from evospec.services.common.errors import set_status
+from evospec.services.common.convert import (
+    outcome_from_proto,
+    session_op_from_proto,
+    start_from_proto,
+    tree_to_proto,
+)
+from evospec.services.common.errors import set_status, status_for
 from evospec.services.config import INTERNAL_CHANNEL_OPTIONS
-from evospec.services.draft.server import DraftReply, DraftServer
+from evospec.services.draft.server import DraftReply, DraftServer, Op, SessionStep
 from evospec.services.protocol.v1 import speculation_pb2 as spec_pb
 from evospec.services.protocol.v1 import speculation_pb2_grpc as spec_grpc
 
@@ -58,6 +65,53 @@ class DraftServicer(spec_grpc.DraftServicer):
             set_status(context, exc)
         finally:
             self.server.close(key)
+
+    def SpeculateBatch(self, request_iterator, context):
+        # Session ids are the caller's keys, namespaced per stream: callers cannot reach each other's sessions.
+        prefix = uuid.uuid4().hex + "/"
+        opened: set[str] = set()
+        try:
+            for msg in request_iterator:
+                ops, bad = [], {}
+                for op in msg.ops:
+                    sid = prefix + op.session_id
+                    try:
+                        _, kind, request, result, candidates = session_op_from_proto(op)
+                    except InvalidRequestError as exc:  # ends this session only; reported in the reply
+                        ops.append(Op(sid, "close"))
+                        bad[sid] = exc
+                        continue
+                    ops.append(Op(sid, kind, request, result, candidates))
+                    if kind == "start":
+                        opened.add(sid)
+                    elif kind == "close":
+                        opened.discard(sid)
+                work = {prefix + w.session_id: (w.depth, w.prefill_tokens) for w in msg.work}
+                steps = self.server.run_step(ops, work)
+                for sid, exc in bad.items():
+                    steps.setdefault(sid, SessionStep()).error = exc
+                yield spec_pb.DraftStep(sessions=[session_to_proto(sid[len(prefix):], step)
+                                                  for sid, step in steps.items()],
+                                        static_vocab_sha=self.server.static_vocab_sha)
+        except Exception as exc:  # noqa: BLE001 - one status per failure, never a crash of the server
+            log.exception("draft batch stream failed")
+            set_status(context, exc)
+        finally:
+            for sid in opened:
+                self.server.close(sid)
+
+
+def session_to_proto(session_id: str, step: SessionStep) -> spec_pb.SessionDraft:
+    if step.error is not None:
+        if not isinstance(step.error, InvalidRequestError):
+            log.error("draft session %s failed: %r", session_id, step.error)
+        return spec_pb.SessionDraft(session_id=session_id, error=f"{type(step.error).__name__}: {step.error}",
+                                    error_code=status_for(step.error).name)
+    reply = tree_to_proto(step.tree, step.changes) if step.tree is not None else \
+        spec_pb.DraftToTarget(buffer_changes=[spec_pb.SlotChange(slot=c.slot, token_id=c.token_id)
+                                              for c in step.changes])
+    reply.head_seconds, reply.buffer_update_seconds = step.head_seconds, step.buffer_update_seconds
+    return spec_pb.SessionDraft(session_id=session_id, reply=reply, has_tree=step.tree is not None)
 
 
 def start_draft_server(server: DraftServer, host: str, max_workers: int = 64) -> tuple[grpc.Server, int]:

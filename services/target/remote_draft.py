@@ -8,6 +8,7 @@ mirrors A from those changes, so misses and candidates are computed against exac
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections.abc import Awaitable, Callable
 
@@ -20,7 +21,12 @@ from evospec.engine.drafter import DraftRequest, feedback_for
 from evospec.engine.stats import SpecStats
 from evospec.engine.target import VerifiedStep
 from evospec.errors import EvoSpecError
-from evospec.services.common.convert import outcome_to_proto, start_to_proto, tree_from_proto
+from evospec.services.common.convert import (
+    outcome_to_proto,
+    session_op_to_proto,
+    start_to_proto,
+    tree_from_proto,
+)
 from evospec.services.config import INTERNAL_CHANNEL_OPTIONS
 from evospec.services.protocol.v1 import speculation_pb2 as spec_pb
 from evospec.services.protocol.v1 import speculation_pb2_grpc as spec_grpc
@@ -125,42 +131,161 @@ class RemoteDrafter:
         self._call.cancel()  # frees the draft session at once, even if it is mid-tree
 
 
-class RemoteBatchDrafter:
-    """The batching scheduler's drafts from a draft replica: one stream per generation (opened without waiting),
-    all sessions' outcomes sent before any reply is read, so the replica drafts them concurrently. Trees come back
-    at the request's full shape and are cut to the step's chosen depth here. (A multiplexed stream per target
-    replica, one message per engine step, is the next step: docs/architecture.md.)"""
+class _MuxStream:
+    """One SpeculateBatch call: messages go out through a queue (sending never waits), replies come in on a reader
+    thread, and `receive` waits for the next one at most `timeout_s`."""
+
+    def __init__(self, stub: spec_grpc.DraftStub, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._out: queue.Queue = queue.Queue()
+        self._in: queue.Queue = queue.Queue()
+        self._call = stub.SpeculateBatch(iter(self._out.get, None))
+        self.outstanding = 0  # messages sent whose reply has not been read
+        threading.Thread(target=self._read, name="draft-mux-reader", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for msg in self._call:
+                self._in.put(msg)
+            self._in.put(DraftStreamError("draft: stream ended", "UNAVAILABLE"))
+        except grpc.RpcError as err:
+            self._in.put(DraftStreamError(f"draft: {err.details()}", err.code().name))
+
+    def send(self, msg: spec_pb.TargetStep) -> None:
+        self._out.put(msg)
+        self.outstanding += 1
+
+    def receive(self) -> spec_pb.DraftStep:
+        try:
+            item = self._in.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise DraftStreamError(f"draft: no reply within {self.timeout_s:g}s", "DEADLINE_EXCEEDED") from None
+        if isinstance(item, Exception):
+            raise item
+        self.outstanding -= 1
+        return item
+
+    def close(self) -> None:
+        self._out.put(None)
+        self._call.cancel()
+
+
+class RemoteMuxDrafter:
+    """The batching scheduler's drafts over one multiplexed stream per target replica (SpeculateBatch): per engine
+    step one TargetStep (every session's opens, outcomes and closes, and the trees wanted at the chosen depth) and
+    one DraftStep back with every tree, drafted on the replica with one packed forward per tree level.
+    Outcomes of a step are sent at its end (`flush`) without waiting, and read back with the next step's trees."""
 
     def __init__(self, pool: "RemoteDraftPool", layout_of: Callable[[SpecParams], ActiveLayout], vocab_size: int,
                  static_vocab_sha: str):
         self.pool, self.layout_of = pool, layout_of
         self.vocab_size, self.static_vocab_sha = vocab_size, static_vocab_sha
-        self.sessions: dict[str, RemoteDrafter] = {}
+        self.mirrors: dict[str, ActiveSetMirror] = {}
+        self._wants_candidates: dict[str, bool] = {}
+        self._stats: dict[str, SpecStats] = {}
+        self._feedback_seconds: dict[str, float] = {}
+        self._ops: list[spec_pb.SessionOp] = []
+        self._errors: dict[str, Exception] = {}  # sessions that failed in a reply no step has collected yet
         self._drafted: set[str] = set()
+        self._stream: _MuxStream | None = None
 
     def open(self, key: str, request: DraftRequest) -> None:
-        self.sessions[key] = self.pool.open(key, request, self.layout_of(request.spec), self.vocab_size,
-                                            self.static_vocab_sha)
+        layout = self.layout_of(request.spec)
+        self.mirrors[key] = ActiveSetMirror(layout.static_ids, layout.dynamic_size, self.vocab_size)
+        self._wants_candidates[key] = layout.target_feedback
+        self._feedback_seconds[key] = 0.0
+        self._ops.append(session_op_to_proto(key, "start", request))
 
     def propose(self, requests: dict[str, TreeParams], prefills: dict[str, int]) -> dict[str, DraftTree | Exception]:
-        """`prefills` is ignored: the draft replica prefills a session when it opens."""
-        trees: dict[str, DraftTree | Exception] = {}
-        for key, params in requests.items():
-            try:
-                trees[key] = self.sessions[key].propose().first_levels(tree_depth(params))
-            except Exception as exc:  # noqa: BLE001 - one session's failure is that session's
-                trees[key] = exc
+        work = [spec_pb.DraftWork(session_id=k, depth=tree_depth(p), prefill_tokens=prefills.get(k, 0))
+                for k, p in requests.items()]
+        work += [spec_pb.DraftWork(session_id=k, prefill_tokens=n) for k, n in prefills.items() if k not in requests]
         self._drafted = set(requests)
-        return trees
+        out: dict[str, DraftTree | Exception] = {}
+        try:
+            reply = self._exchange(spec_pb.TargetStep(ops=self._take_ops(), work=work))
+        except DraftStreamError as exc:
+            return {key: exc for key in self.mirrors}  # the stream is gone, and every session on it
+        for session in reply.sessions:
+            if session.has_tree and session.session_id in requests and session.session_id in self.mirrors:
+                mirror = self.mirrors[session.session_id]
+                out[session.session_id] = tree_from_proto(
+                    session.reply, mirror.row_ids.clone() if session.reply.draft_probs else None)
+        out.update(self._errors)
+        self._errors = {}
+        return out
 
     def observe(self, steps: dict[str, tuple[VerifiedStep, SpecStats]]) -> None:
         for key, (verified, stats) in steps.items():
-            self.sessions[key].observe(verified, stats, used_tree=key in self._drafted)
+            self._stats[key] = stats
+            candidates = {}
+            if self.mirrors[key].restricted and key in self._drafted:
+                start = time.perf_counter()
+                candidates = feedback_for(verified, self.mirrors[key].mask, self._wants_candidates[key],
+                                          stats).candidates
+                self._feedback_seconds[key] += time.perf_counter() - start
+            self._ops.append(session_op_to_proto(key, "outcome", result=verified.result, candidates=candidates))
+
+    def flush(self) -> None:
+        """Send the step's outcomes and closes now (the replica commits them while the target goes on)."""
+        if self._ops:
+            try:
+                self._connected().send(spec_pb.TargetStep(ops=self._take_ops()))
+            except DraftStreamError as exc:
+                self._errors.update({key: exc for key in self.mirrors})
 
     def close(self, key: str) -> None:
-        drafter = self.sessions.pop(key, None)
-        if drafter is not None:
-            drafter.close()
+        if self.mirrors.pop(key, None) is not None:
+            self._ops.append(session_op_to_proto(key, "close"))
+        for table in (self._wants_candidates, self._stats, self._feedback_seconds, self._errors):
+            table.pop(key, None)
+
+    def shutdown(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+    def _take_ops(self) -> list[spec_pb.SessionOp]:
+        ops, self._ops = self._ops, []
+        return ops
+
+    def _connected(self) -> _MuxStream:
+        if self._stream is None:
+            self._stream = _MuxStream(self.pool.stub, self.pool.timeout_s)
+        return self._stream
+
+    def _exchange(self, msg: spec_pb.TargetStep) -> spec_pb.DraftStep:
+        """Send, then read every reply still owed (earlier flushes: their buffer changes and errors are applied in
+        order); returns the reply to `msg`. A broken stream is dropped, so the next step opens a new one."""
+        stream = self._connected()
+        try:
+            stream.send(msg)
+            while True:
+                reply = stream.receive()
+                self._apply(reply)
+                if stream.outstanding == 0:
+                    return reply
+        except DraftStreamError:
+            self.shutdown()
+            raise
+
+    def _apply(self, reply: spec_pb.DraftStep) -> None:
+        if self.static_vocab_sha and reply.static_vocab_sha and reply.static_vocab_sha != self.static_vocab_sha:
+            raise DraftStreamError(f"draft and target use different static vocabularies "
+                                   f"({reply.static_vocab_sha} vs {self.static_vocab_sha})")
+        for session in reply.sessions:
+            key = session.session_id
+            if key not in self.mirrors:
+                continue  # closed meanwhile
+            if session.error:
+                self._errors[key] = DraftStreamError(f"draft: {session.error}", session.error_code or "INTERNAL")
+                continue
+            self.mirrors[key].apply(session.reply.buffer_changes)
+            stats = self._stats.get(key)
+            if stats is not None:
+                stats.buffer_updates += sum(1 for c in session.reply.buffer_changes if c.token_id >= 0)
+                stats.draft_head_seconds = session.reply.head_seconds
+                stats.buffer_update_seconds = self._feedback_seconds[key] + session.reply.buffer_update_seconds
 
 
 class RemoteDraftPool:
@@ -172,6 +297,12 @@ class RemoteDraftPool:
         self.timeout_s = timeout_s
         self._channel: grpc.Channel | None = None
         self._stub: spec_grpc.DraftStub | None = None
+
+    @property
+    def stub(self) -> spec_grpc.DraftStub:
+        if self._stub is None:
+            raise RuntimeError("RemoteDraftPool used before connect()")
+        return self._stub
 
     async def connect(self) -> None:
         if self._channel is None:

@@ -2,7 +2,8 @@
 
 Fronts convert their wire types to `GenerateRequest` and the events back: the gRPC front today
 (services/target/grpc_api.py), an HTTP front next. Every generation of the replica runs in one continuous-batching
-`Scheduler` (evospec/engine/scheduler.py), whose drafts come from the draft replica (RemoteBatchDrafter). Raises
+`Scheduler` (evospec/engine/scheduler.py), whose drafts come from the draft replica over one multiplexed stream
+(RemoteMuxDrafter). Raises
 InvalidRequestError (the field to fix) and OverloadedError; nothing here imports gRPC or Ray.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from evospec.engine.stats import SpecStats
 from evospec.errors import InvalidRequestError
 from evospec.loading import apply_torch_threads, load_model, load_static_ids, stop_token_ids
 from evospec.services.config import TargetServiceConfig
-from evospec.services.target.remote_draft import RemoteBatchDrafter
+from evospec.services.target.remote_draft import RemoteMuxDrafter
 from evospec.tokenizer import chat_prompt_ids, load_tokenizer
 from evospec.vocab.registry import ActiveLayout
 
@@ -128,14 +129,17 @@ class TargetServer:
         static_ids, sha = load_static_ids(cfg.static_vocab)
         decoder = SpeculativeDecoder(model, None, static_ids=static_ids, max_model_len=cfg.max_model_len,
                                      eos_ids=stop_token_ids(folder))
-        drafter = RemoteBatchDrafter(drafts.pool, decoder.policies.layout, decoder.target.vocab_size, sha)
+        drafter = RemoteMuxDrafter(drafts.pool, decoder.policies.layout, decoder.target.vocab_size, sha)
         scheduler = Scheduler(decoder, cfg.scheduler, drafter).start()
         return cls(decoder, load_tokenizer(str(folder)), drafts, scheduler, cfg.default_spec, sha, str(Path(folder)),
                    metrics)
 
     def close(self) -> None:
-        """Stop the scheduler (what still runs fails with 'shutting down')."""
+        """Stop the scheduler (what still runs fails with 'shutting down') and its draft stream."""
         self.scheduler.stop()
+        shutdown = getattr(self.scheduler.drafter, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     def num_sessions(self) -> int:
         return len(self.active)

@@ -13,7 +13,7 @@ from evospec.engine.generate import SpeculativeDecoder
 from evospec.engine.scheduler import Scheduler
 from evospec.services.draft.server import DraftServer
 from evospec.services.draft.servicer import start_draft_server
-from evospec.services.target.remote_draft import DraftStreamError, RemoteBatchDrafter, RemoteDraftPool
+from evospec.services.target.remote_draft import DraftStreamError, RemoteDraftPool, RemoteMuxDrafter
 from evospec.services.target.server import DraftSide, FinishedEvent, GenerateRequest, Prompt, TargetServer
 from evospec.testing import RandomDepth, random_pair
 from evospec.vocab.registry import VocabPolicies
@@ -112,7 +112,7 @@ async def collect(server: TargetServer, request: GenerateRequest) -> tuple[list[
 def make_server(decoder: SpeculativeDecoder, pool: RemoteDraftPool, budget=None) -> TargetServer:
     async def nothing() -> int:
         return 0
-    drafter = RemoteBatchDrafter(pool, decoder.policies.layout, VOCAB, "sha")
+    drafter = RemoteMuxDrafter(pool, decoder.policies.layout, VOCAB, "sha")
     scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, adaptive=False), drafter, budget=budget).start()
     return TargetServer(decoder, IdsTokenizer(), DraftSide(pool, model_name=nothing, num_sessions=nothing), scheduler)
 
@@ -143,9 +143,9 @@ async def collect_all(server: TargetServer, requests: list[GenerateRequest]):
 
 @pytest.mark.parametrize("varying_depth", [False, True], ids=["full-trees", "random-depth"])
 def test_concurrent_generations_batched_over_the_stream(setup, varying_depth):
-    """Many generations of every method at once, through one scheduler and per-session streams: each equals its
-    in-process run. With a random draft depth per step (trees cut by depth, steps without a tree whose drafted
-    tree is read and dropped later), greedy output still equals the target's."""
+    """Many generations of every method at once, through one scheduler and one multiplexed stream: each equals its
+    in-process run. With a random draft depth per step (trees at that depth, steps without any tree whose outcomes
+    travel with the next step), greedy output still equals the target's."""
     local, remote_only, pool, draft_server, _ = setup
     server = make_server(remote_only, pool, budget=RandomDepth(1) if varying_depth else None)
     requests = []
@@ -171,4 +171,27 @@ def test_concurrent_generations_batched_over_the_stream(setup, varying_depth):
         assert tokens == expected.output_ids, request
         assert finished.finish_reason == "length"
     assert server.scheduler.arena.free_tokens == server.scheduler.arena.capacity
+    wait_closed(draft_server)
+
+
+def test_multiplexed_stream_failures_stay_with_their_sessions(setup):
+    """A draft replica with another static vocabulary fails the speculative requests with a clear error; `ar`
+    requests on the same scheduler are untouched, and the draft holds no session afterwards."""
+    _, remote_only, pool, draft_server, _ = setup
+    server = make_server(remote_only, pool)
+    server.scheduler.drafter.static_vocab_sha = "other"
+
+    async def run(spec):
+        try:
+            return await collect(server, GenerateRequest(Prompt(token_ids=[4, 5]), SamplingParams(max_tokens=6), spec))
+        except DraftStreamError as exc:
+            return exc
+
+    async def both():
+        return await asyncio.wait_for(asyncio.gather(run(SpecParams(method="frspec", vocab={"static_size": 32})),
+                                                     run(SpecParams(method="ar"))), 30)
+    results = asyncio.run(both())
+    server.close()
+    assert isinstance(results[0], DraftStreamError) and "different static vocabularies" in str(results[0])
+    assert len(results[1][0]) == 6
     wait_closed(draft_server)

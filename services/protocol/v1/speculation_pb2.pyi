@@ -124,3 +124,55 @@ class DraftToTarget(_message.Message):
     head_seconds: float
     buffer_update_seconds: float
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[ProbRow, _Mapping]]] = ..., buffer_changes: _Optional[_Iterable[_Union[SlotChange, _Mapping]]] = ..., static_vocab_sha: _Optional[str] = ..., head_seconds: _Optional[float] = ..., buffer_update_seconds: _Optional[float] = ...) -> None: ...
+
+class SessionOp(_message.Message):
+    __slots__ = ("session_id", "start", "outcome", "close")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    start: StartSession
+    outcome: Outcome
+    close: bool
+    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[_Union[StartSession, _Mapping]] = ..., outcome: _Optional[_Union[Outcome, _Mapping]] = ..., close: _Optional[bool] = ...) -> None: ...
+
+class DraftWork(_message.Message):
+    __slots__ = ("session_id", "depth", "prefill_tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    depth: int
+    prefill_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., depth: _Optional[int] = ..., prefill_tokens: _Optional[int] = ...) -> None: ...
+
+class TargetStep(_message.Message):
+    __slots__ = ("ops", "work")
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    WORK_FIELD_NUMBER: _ClassVar[int]
+    ops: _containers.RepeatedCompositeFieldContainer[SessionOp]
+    work: _containers.RepeatedCompositeFieldContainer[DraftWork]
+    def __init__(self, ops: _Optional[_Iterable[_Union[SessionOp, _Mapping]]] = ..., work: _Optional[_Iterable[_Union[DraftWork, _Mapping]]] = ...) -> None: ...
+
+class SessionDraft(_message.Message):
+    __slots__ = ("session_id", "reply", "has_tree", "error", "error_code")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    HAS_TREE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    reply: DraftToTarget
+    has_tree: bool
+    error: str
+    error_code: str
+    def __init__(self, session_id: _Optional[str] = ..., reply: _Optional[_Union[DraftToTarget, _Mapping]] = ..., has_tree: _Optional[bool] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ...) -> None: ...
+
+class DraftStep(_message.Message):
+    __slots__ = ("sessions", "static_vocab_sha")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    STATIC_VOCAB_SHA_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionDraft]
+    static_vocab_sha: str
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionDraft, _Mapping]]] = ..., static_vocab_sha: _Optional[str] = ...) -> None: ...
