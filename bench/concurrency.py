@@ -4,19 +4,22 @@
                               [--max-tokens 48] [--requests 2] [--modes loop batched] [--out results/bench_concurrency]
 
 Modes (same models, same prompts, interleaved per concurrency level):
-- `loop`: today's service engine, one thread per generation each running `SpeculativeDecoder.generate`;
+- `loop`: the engine before batching, one thread per generation each running `SpeculativeDecoder.generate`;
 - `batched`: the continuous-batching `Scheduler` (adaptive draft depth), one thread stepping every generation;
-- `fixed`: the scheduler with each request's full tree every step (no adaptation), to show what adapting buys.
+- `fixed`: the scheduler with each request's full tree every step (no adaptation), to show what adapting buys;
+- `service`: the decoupled service (Ray Serve + gRPC, draft and target replicas, orchestration/configs/cpu-<pair>
+  .yaml) driven through the SDK by the load generator (evospec loadtest), batched the same way.
 At concurrency c, `requests * c` medical prompts (at least 4) go through a closed loop that keeps c in flight.
-Reported per cell: aggregate tok/s, TTFT and TPOT p50/p99, τ, the scheduler's chosen draft depth, peak RSS.
+Reported per cell: aggregate tok/s, TTFT and TPOT p50/p99, τ, the scheduler's mean draft depth, and memory: peak RSS
+of this process (in-process modes, cumulative over the run) or RSS of each service replica after the cell.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import queue
 import resource
-import statistics
 import threading
 import time
 from collections import Counter
@@ -31,7 +34,7 @@ from evospec.loading import apply_torch_threads, load_named_pair
 from evospec.modelstore.catalog import pair_names
 from evospec.tokenizer import chat_prompt_ids
 
-MODES = ("loop", "batched", "fixed")
+MODES = ("loop", "batched", "fixed", "service")
 
 
 class RequestTrace:
@@ -122,6 +125,36 @@ def run_scheduler(scheduler: Scheduler, prompts, sampling, spec, concurrency: in
     return traces
 
 
+def run_service(address: str, convs: list[list[dict]], method: str, max_tokens: int, concurrency: int) -> dict:
+    """The same closed loop against the decoupled service; returns this module's row fields."""
+    import asyncio
+
+    from evospec.loadtest.datasets import LoadRequest
+    from evospec.loadtest.run import run_load
+    from evospec.loadtest.run import summarize as load_summary
+    requests = [LoadRequest(messages=c, max_tokens=max_tokens) for c in convs]
+    results, wall = asyncio.run(run_load(address, requests, {"method": method, "ignore_eos": True, "seed": 0},
+                                         concurrency, float("inf"), 1.0, 0, timeout=600, progress=False))
+    s = load_summary(results, wall)
+    if s["failed"]:
+        raise RuntimeError(f"{s['failed']} service requests failed: {s['errors']}")
+    return {"tokens_per_s": s["output_token_throughput"], "requests": s["completed"], "tokens": s["total_output_tokens"],
+            "ttft_p50_ms": s["ttft_ms"]["median"], "ttft_p99_ms": s["ttft_ms"]["p99"],
+            "tpot_p50_ms": s["tpot_ms"]["median"], "tpot_p99_ms": s["tpot_ms"]["p99"], "tau": s["tau"]}
+
+
+def service_rss_mb() -> dict[str, float]:
+    """Resident memory of this application's Ray Serve replicas, by deployment (read-only process listing)."""
+    import psutil
+    out: dict[str, float] = {}
+    for proc in psutil.process_iter(["cmdline", "memory_info"]):
+        title = " ".join(proc.info["cmdline"] or [])
+        for role in ("Draft", "Target"):
+            if f"ServeReplica:evospec:{role}" in title and proc.info["memory_info"] is not None:
+                out[role.lower()] = round(max(out.get(role.lower(), 0.0), proc.info["memory_info"].rss / 2**20))
+    return out
+
+
 def percentile(values: list[float], q: float) -> float:
     values = sorted(v for v in values if v == v)
     if not values:
@@ -159,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     pair = load_named_pair(args.pair, draft_quantize="int8" if args.pair != "tiny" else "none")
     decoder = pair.decoder
     max_c = max(args.concurrency)
-    convs = PROMPT_SETS["medical"](max(4, args.requests * max_c))
+    convs = PROMPT_SETS["medical"](max(4, args.requests * max_c))  # the same prompts in every mode
     prompts_all = [chat_prompt_ids(pair.tokenizer, c) for c in convs]
     sampling = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, seed=0)
     kv = max_c * (max(len(p) for p in prompts_all) + args.max_tokens + 64)
@@ -172,28 +205,46 @@ def main(argv: list[str] | None = None) -> None:
         run_loop(decoder, prompts_all[:1], sampling.model_copy(update={"max_tokens": 8}), spec, 1)
         for name in ("batched", "fixed"):
             run_scheduler(schedulers[name], prompts_all[:2], sampling.model_copy(update={"max_tokens": 8}), spec, 2)
-    for c in args.concurrency:
-        prompts = prompts_all[:max(4, args.requests * c)]
+    service = contextlib.ExitStack()
+    address = None
+    if "service" in args.modes:
+        from evospec.orchestration.config import AppConfig, config_for_pair
+        from evospec.orchestration.local import free_port, local_service
+        cfg = AppConfig.from_yaml(config_for_pair(args.pair)).model_copy(
+            update={"grpc_port": free_port(), "http_port": free_port()})
+        address = service.enter_context(local_service(cfg))
         for method in args.methods:
-            spec = SpecParams(method=method)
-            for mode in args.modes:
-                depth_before = Counter(schedulers[mode].depth_histogram) if mode != "loop" else Counter()
-                start = time.perf_counter()
-                traces = run_loop(decoder, prompts, sampling, spec, c) if mode == "loop" else \
-                    run_scheduler(schedulers[mode], prompts, sampling, spec, c)
-                row = {"concurrency": c, "method": method, "mode": mode,
-                       **summarize(traces, time.perf_counter() - start), "peak_rss_mb": round(peak_rss_mb())}
-                if mode != "loop":
-                    depths = schedulers[mode].depth_histogram - depth_before
-                    row["draft_depth_mean"] = round(sum(k * n for k, n in depths.items()) / max(1, sum(depths.values())), 2)
-                outputs[(c, method, mode)] = [t.tokens for t in traces]
-                results.append(row)
-                print(json.dumps(row), flush=True)
+            run_service(address, convs[:2], method, 8, 2)
+    with service:
+        for c in args.concurrency:
+            n = max(4, args.requests * c)
+            prompts = prompts_all[:n]
+            for method in args.methods:
+                spec = SpecParams(method=method)
+                for mode in args.modes:
+                    row = {"concurrency": c, "method": method, "mode": mode}
+                    depth_before = Counter(schedulers[mode].depth_histogram) if mode in schedulers else Counter()
+                    start = time.perf_counter()
+                    if mode == "service":
+                        row.update(run_service(address, convs[:n], method, args.max_tokens, c))
+                        row["rss_mb"] = service_rss_mb()
+                    else:
+                        traces = run_loop(decoder, prompts, sampling, spec, c) if mode == "loop" else \
+                            run_scheduler(schedulers[mode], prompts, sampling, spec, c)
+                        row.update(summarize(traces, time.perf_counter() - start))
+                        row["peak_rss_mb"] = round(peak_rss_mb())
+                        outputs[(c, method, mode)] = [t.tokens for t in traces]
+                    if mode in schedulers:
+                        depths = schedulers[mode].depth_histogram - depth_before
+                        row["draft_depth_mean"] = round(sum(k * v for k, v in depths.items())
+                                                        / max(1, sum(depths.values())), 2)
+                    results.append(row)
+                    print(json.dumps(row), flush=True)
     for s in schedulers.values():
         s.stop()
-    for row in results:  # greedy: every mode and method must produce the ar loop's tokens
+    for row in results:  # greedy: every in-process mode and method must produce the ar loop's tokens
         ref = outputs.get((row["concurrency"], "ar", "loop"))
-        if ref is not None:
+        if ref is not None and (row["concurrency"], row["method"], row["mode"]) in outputs:
             row["greedy_identical_to_ar"] = sorted(outputs[(row["concurrency"], row["method"], row["mode"])]) == sorted(ref)
     write_results(args, results)
 
@@ -217,14 +268,14 @@ def write_results(args, results: list[dict]) -> None:
     (args.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                        "rows": results, "ratios": ratios}, indent=1))
     lines = ["| c | method | mode | tok/s | vs loop | vs ar | TTFT p50/p99 ms | TPOT p50/p99 ms | τ | depth | "
-             "greedy = ar |", "|---" * 11 + "|"]
+             "greedy = ar | RSS MB |", "|---" * 12 + "|"]
     ratio_of = {(r["concurrency"], r["method"], r["mode"]): r for r in ratios}
     for r in results:
         q = ratio_of.get((r["concurrency"], r["method"], r["mode"]), {})
         lines.append(f"| {r['concurrency']} | {r['method']} | {r['mode']} | {r['tokens_per_s']} | "
                      f"{q.get('vs_loop', '')} | {q.get('vs_ar_same_mode', '')} | {r['ttft_p50_ms']}/{r['ttft_p99_ms']} | "
                      f"{r['tpot_p50_ms']}/{r['tpot_p99_ms']} | {r['tau']} | {r.get('draft_depth_mean', '')} | "
-                     f"{r.get('greedy_identical_to_ar', '')} |")
+                     f"{r.get('greedy_identical_to_ar', '')} | {r.get('peak_rss_mb', r.get('rss_mb', ''))} |")
     (args.out / "table.md").write_text("\n".join(lines) + "\n")
     plot(results, args.out / "throughput.png")
     print("\n".join(lines))

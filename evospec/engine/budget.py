@@ -8,6 +8,8 @@ and each request's measured acceptance.
   plus, when k > 0, what drafting adds: per step, per session, per level and per level-row (least squares over
   measured steps), whether the draft runs in this process or behind a stream.
 - k = 0 is plain decoding (no draft forward at all), so the chosen k never has a lower expected goodput than `ar`.
+- A safety net over the model: per batch size, the measured goodput of drafting steps and of plain steps; while
+  drafting measures worse, the step does not draft (except the occasional exploring step that keeps both current).
 
 Costs start from a measurement at start-up and follow the measured steps (with forgetting), so a busy machine, a
 slower draft replica or longer contexts move the choice. Choosing the shape never looks at the draft's
@@ -157,6 +159,21 @@ class SpeculationBudget:
         self.global_acceptance = Acceptance()
         self.explore_every = explore_every  # after this many steps without a draft, draft once to re-measure
         self._steps_without_draft = 0
+        self._goodput: dict[tuple[int, bool], float] = {}  # (batch-size bucket, drafted) -> measured tokens/s
+
+    def record_goodput(self, sessions: int, drafted: bool, committed: int, seconds: float) -> None:
+        """A whole step's outcome: `committed` tokens over `sessions` speculative sessions in `seconds`."""
+        if sessions and seconds > 0:
+            key = (sessions.bit_length(), drafted)
+            rate = committed / seconds
+            old = self._goodput.get(key)
+            self._goodput[key] = rate if old is None else 0.8 * old + 0.2 * rate
+
+    def _measured_worse(self, sessions: int) -> bool:
+        """The safety net: at this batch size, drafting steps have measured less goodput than plain ones."""
+        bucket = sessions.bit_length()
+        plain, drafted = self._goodput.get((bucket, False)), self._goodput.get((bucket, True))
+        return plain is not None and drafted is not None and drafted < plain
 
     def record_step(self, tokens: int, target_seconds: float, depth: int = 0, sessions: int = 0,
                     rows_per_level: int = 0, draft_seconds: float = 0.0) -> None:
@@ -197,6 +214,8 @@ class SpeculationBudget:
                 best_k, best = k, goodput
             if k and goodput > best_nonzero_goodput:
                 best_nonzero, best_nonzero_goodput = k, goodput
+        if best_k and self._measured_worse(len(requests)):
+            best_k = 0  # whatever the model predicts, speculation must not cost throughput
         if best_k == 0 and max_depth > 0:
             # Costs learnt only from drafting steps go stale while nobody drafts (load fell, a draft got faster):
             # now and then draft anyway, at the depth the model finds least bad, to measure again.

@@ -212,12 +212,15 @@ class Scheduler:
         start = time.perf_counter()
         trees = self._draft(decoding, prefills, k)
         draft_seconds = time.perf_counter() - start
-        tokens, target_seconds, feedback_seconds = self._verify(decoding, prefills, trees)
+        tokens, target_seconds, feedback_seconds, committed = self._verify(decoding, prefills, trees)
         if self.budget is not None and not draft_prefill:  # a draft prefill chunk would skew the per-level cost
             drafting = [r for r in decoding if r.key in trees]
             rows = sum(1 if r.spec.tree.shape == "chain" else r.spec.tree.branching for r in drafting)
             self.budget.record_step(tokens, target_seconds, k if trees else 0, len(drafting), rows,
                                     draft_seconds + feedback_seconds)
+            if not prefills:
+                self.budget.record_goodput(sum(r.speculative for r in decoding), bool(trees), committed,
+                                           draft_seconds + target_seconds + feedback_seconds)
         if self.drafter is not None:
             self._flush_drafter()
         self.steps += 1
@@ -306,9 +309,10 @@ class Scheduler:
         return trees
 
     def _verify(self, decoding: list[_Request], prefills: dict[str, int],
-                trees: dict[str, DraftTree]) -> tuple[int, float, float]:
+                trees: dict[str, DraftTree]) -> tuple[int, float, float, int]:
         """Target forward, verification, commit, events; then the draft's feedback. Returns the target forward's
-        tokens and seconds, and the feedback's seconds (draft-side work, like drafting itself)."""
+        tokens and seconds, the feedback's seconds (draft-side work, like drafting itself) and the tokens the
+        decoding sessions committed."""
         decoding = [r for r in decoding if r.key in self._running]  # a draft failure may have ended some
         prefill_items = [(r.target, n) for key, n in prefills.items() if (r := self._running.get(key))]
         verifies = [(r, trees.get(r.key, DraftTree.empty())) for r in decoding]
@@ -318,8 +322,9 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 - an engine error fails this step's requests, never the thread
             for request in list(self._running.values()):
                 self._fail(request, exc)
-            return 0, 0.0, 0.0
+            return 0, 0.0, 0.0, 0
         seconds = time.perf_counter() - start
+        committed = sum(len(step.result.committed_tokens) for step in steps)
         forward_tokens = sum(n for _, n in prefill_items) + sum(1 + t.size for _, t in verifies)
         verify_seconds = seconds
         feedback = {}
@@ -355,8 +360,8 @@ class Scheduler:
             seconds = time.perf_counter() - start
             for key, (_, stats) in feedback.items():
                 stats.draft_seconds += seconds
-            return forward_tokens, verify_seconds, seconds
-        return forward_tokens, verify_seconds, 0.0
+            return forward_tokens, verify_seconds, seconds, committed
+        return forward_tokens, verify_seconds, 0.0, committed
 
     # ---- bookkeeping --------------------------------------------------------------------------------------------
     def _release(self, request: _Request) -> None:

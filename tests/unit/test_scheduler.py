@@ -294,3 +294,19 @@ def test_budget_picks_depth_by_goodput_and_re_measures():
     busy = budget(0.0005, per_token=0.001)  # a target whose forward grows fast with tokens (compute-bound)
     light, heavy = busy.choose([(chain, sure)], 0), busy.choose([(chain, sure)] * 32, 0)
     assert light == 6 and 0 < heavy < light  # the busier the step, the shallower the speculation
+
+
+def test_budget_safety_net_stops_drafting_that_measures_worse():
+    from evospec.engine.budget import Acceptance, draft_features
+    target, draft = TokenCostTable(), OnlineCost(4)
+    target.update(1, 0.010)
+    target.update(8, 0.011)
+    draft.calibrate(draft_features(1, 4, 4), 0.0001)  # the model thinks drafting is almost free
+    budget = SpeculationBudget(target, draft, explore_every=1000)
+    requests = [(TreeParams(shape="chain", num_draft_tokens=4), Acceptance([10.0] * 4, [9.0] * 4))] * 4
+    assert budget.choose(requests, 0) == 4
+    budget.record_goodput(4, drafted=False, committed=4, seconds=0.010)  # measured: 400 tok/s plain
+    budget.record_goodput(4, drafted=True, committed=10, seconds=0.050)  # 200 tok/s drafting
+    assert budget.choose(requests, 0) == 0
+    budget.record_goodput(2, drafted=False, committed=2, seconds=0.010)  # other batch sizes keep the model's choice
+    assert budget.choose(requests[:2], 0) == 4
