@@ -30,7 +30,7 @@ from evospec.config import METHODS, SamplingParams, SchedulerConfig, SpecParams
 from evospec.engine.generate import SpeculativeDecoder
 from evospec.engine.scheduler import Failed, Finished, Scheduler, TokensOut
 from evospec.engine.stats import SpecStats
-from evospec.loading import apply_torch_threads, load_named_pair
+from evospec.loading import apply_torch_threads, load_pair
 from evospec.modelstore.catalog import pair_names
 from evospec.tokenizer import chat_prompt_ids
 
@@ -189,7 +189,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path("results/bench_concurrency"))
     args = ap.parse_args(argv)
     apply_torch_threads(args.torch_threads)
-    pair = load_named_pair(args.pair, draft_quantize="int8" if args.pair != "tiny" else "none")
+    from evospec.orchestration.config import AppConfig, config_for_pair
+    cfg = AppConfig.from_yaml(config_for_pair(args.pair))  # the service's models, dtypes and quantization
+    pair = load_pair(cfg.draft.model, cfg.target.model, static_vocab_path=cfg.target.static_vocab,
+                     max_model_len=cfg.target.max_model_len, cooc_path=cfg.draft.cooc)
     decoder = pair.decoder
     max_c = max(args.concurrency)
     convs = PROMPT_SETS["medical"](max(4, args.requests * max_c))  # the same prompts in every mode
@@ -208,11 +211,9 @@ def main(argv: list[str] | None = None) -> None:
     service = contextlib.ExitStack()
     address = None
     if "service" in args.modes:
-        from evospec.orchestration.config import AppConfig, config_for_pair
         from evospec.orchestration.local import free_port, local_service
-        cfg = AppConfig.from_yaml(config_for_pair(args.pair)).model_copy(
-            update={"grpc_port": free_port(), "http_port": free_port()})
-        address = service.enter_context(local_service(cfg))
+        address = service.enter_context(local_service(cfg.model_copy(
+            update={"grpc_port": free_port(), "http_port": free_port()})))
         for method in args.methods:
             run_service(address, convs[:2], method, 8, 2)
     with service:

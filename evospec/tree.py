@@ -5,8 +5,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from evospec.kernels.tree import tree_depths
-
 
 @dataclass
 class DraftTree:
@@ -37,18 +35,3 @@ class DraftTree:
         for i, p in enumerate(self.parents.tolist()):
             out.setdefault(p, []).append(i)
         return out
-
-    def first_levels(self, depth: int) -> "DraftTree":
-        """The nodes at depth <= `depth` (the scheduler's draft budget for a tree drafted deeper elsewhere). Trees are
-        built level by level, so these are a prefix of the nodes and keep their indices (an outcome's accepted
-        nodes mean the same to the drafter). Cutting by depth never looks at tokens or probabilities: lossless."""
-        if self.size == 0:
-            return self
-        depths = tree_depths(self.parents)  # [n]
-        keep = int((depths <= depth).sum())
-        if keep == self.size:
-            return self
-        if not bool((depths[:keep] <= depth).all()):
-            raise ValueError("tree nodes are not in level order; cannot cut it by depth")
-        probs = {p: q for p, q in self.draft_probs.items() if p < keep}
-        return DraftTree(self.token_ids[:keep], self.parents[:keep], probs, self.active_ids if probs else None)

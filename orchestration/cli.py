@@ -319,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Subcommands with their own argparse (dispatched in `main` before this parser runs; listed here for --help).
     bench = sub.add_parser("bench", help="side-by-side benchmarks: v1 (ar/sd/frspec/HF), grid (EvoSpec table), "
-                                         "random, decoupled, real (the fetched real pair); "
+                                         "random, decoupled, real (the fetched real pair), concurrency (batching "
+                                         "under load); "
                                          "`evospec bench SUITE --help`")
     bench.add_argument("suite", choices=BENCH_SUITES)
     sub.add_parser("loadtest", help="async load generator against a running service (vllm bench serve style)")

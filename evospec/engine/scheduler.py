@@ -16,6 +16,7 @@ No Ray or gRPC here: fronts call `submit` from any thread and read events from t
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import threading
 import time
@@ -42,6 +43,8 @@ from evospec.kernels.tree import tree_depths
 from evospec.model import KVArena
 from evospec.model.qwen3 import forward_seconds
 from evospec.tree import DraftTree
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -190,7 +193,12 @@ class Scheduler:
                     self._wakeup.wait()
                 if self._stopping:
                     break
-            self.step()
+            try:
+                self.step()
+            except Exception as exc:  # noqa: BLE001 - a bug must fail the requests it hit, never hang them all
+                log.exception("scheduler step failed")
+                for request in list(self._running.values()):
+                    self._fail(request, exc)
         for request in [*self._running.values(), *self._waiting]:
             self._fail(request, OverloadedError("the server is shutting down; retry on another replica"))
         self._waiting.clear()

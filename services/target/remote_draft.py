@@ -71,9 +71,8 @@ class DraftStreamError(EvoSpecError):
 
 
 class RemoteDrafter:
-    """One generation's end of the stream. Sending never waits: Start on creation and each Outcome in `observe`;
-    `propose` reads the draft's replies. A step that ran without a tree (the scheduler chose depth 0) still sends
-    its outcome, and the tree drafted for it is read later and dropped, after its buffer changes are mirrored."""
+    """One generation's end of a per-generation `Speculate` stream (the per-request loop's remote draft). Sending
+    never waits: Start on creation and each Outcome in `observe`; `propose` reads the draft's reply."""
 
     def __init__(self, stub: spec_grpc.DraftStub, session_id: str, request: DraftRequest, mirror: ActiveSetMirror,
                  wants_candidates: bool, static_vocab_sha: str, timeout_s: float):
@@ -114,11 +113,11 @@ class RemoteDrafter:
         msg = self._receive()
         return tree_from_proto(msg, self.mirror.row_ids.clone() if msg.draft_probs else None)
 
-    def observe(self, verified: VerifiedStep, stats: SpecStats, used_tree: bool = True) -> None:
+    def observe(self, verified: VerifiedStep, stats: SpecStats) -> None:
         """Send the step's outcome; the draft commits it and drafts the next tree meanwhile."""
         self._stats = stats
         candidates = {}
-        if self.mirror.restricted and used_tree:
+        if self.mirror.restricted:
             start = time.perf_counter()
             candidates = feedback_for(verified, self.mirror.mask, self.wants_candidates, stats).candidates
             self._feedback_seconds += time.perf_counter() - start
