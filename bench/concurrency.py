@@ -185,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--requests", type=int, default=2, help="requests per level = this x concurrency (at least 4)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per cell; the median run is reported, all tok/s kept")
     ap.add_argument("--torch-threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("results/bench_concurrency"))
     args = ap.parse_args(argv)
@@ -223,22 +224,27 @@ def main(argv: list[str] | None = None) -> None:
             for method in args.methods:
                 spec = SpecParams(method=method)
                 for mode in args.modes:
-                    row = {"concurrency": c, "method": method, "mode": mode}
-                    depth_before = Counter(schedulers[mode].depth_histogram) if mode in schedulers else Counter()
-                    start = time.perf_counter()
-                    if mode == "service":
-                        row.update(run_service(address, convs[:n], method, args.max_tokens, c))
-                        row["rss_mb"] = service_rss_mb()
-                    else:
-                        traces = run_loop(decoder, prompts, sampling, spec, c) if mode == "loop" else \
-                            run_scheduler(schedulers[mode], prompts, sampling, spec, c)
-                        row.update(summarize(traces, time.perf_counter() - start))
-                        row["peak_rss_mb"] = round(peak_rss_mb())
-                        outputs[(c, method, mode)] = [t.tokens for t in traces]
-                    if mode in schedulers:
-                        depths = schedulers[mode].depth_histogram - depth_before
-                        row["draft_depth_mean"] = round(sum(k * v for k, v in depths.items())
-                                                        / max(1, sum(depths.values())), 2)
+                    runs = []
+                    for _ in range(args.repeats):
+                        row = {"concurrency": c, "method": method, "mode": mode}
+                        depth_before = Counter(schedulers[mode].depth_histogram) if mode in schedulers else Counter()
+                        start = time.perf_counter()
+                        if mode == "service":
+                            row.update(run_service(address, convs[:n], method, args.max_tokens, c))
+                            row["rss_mb"] = service_rss_mb()
+                        else:
+                            traces = run_loop(decoder, prompts, sampling, spec, c) if mode == "loop" else \
+                                run_scheduler(schedulers[mode], prompts, sampling, spec, c)
+                            row.update(summarize(traces, time.perf_counter() - start))
+                            row["peak_rss_mb"] = round(peak_rss_mb())
+                            outputs[(c, method, mode)] = [t.tokens for t in traces]
+                        if mode in schedulers:
+                            depths = schedulers[mode].depth_histogram - depth_before
+                            row["draft_depth_mean"] = round(sum(k * v for k, v in depths.items())
+                                                            / max(1, sum(depths.values())), 2)
+                        runs.append(row)
+                    row = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]  # the median run
+                    row["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
                     results.append(row)
                     print(json.dumps(row), flush=True)
     for s in schedulers.values():
@@ -268,12 +274,13 @@ def write_results(args, results: list[dict]) -> None:
     ratios = ratio_rows(results)
     (args.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                        "rows": results, "ratios": ratios}, indent=1))
-    lines = ["| c | method | mode | tok/s | vs loop | vs ar | TTFT p50/p99 ms | TPOT p50/p99 ms | τ | depth | "
+    lines = ["| c | method | mode | tok/s (runs) | vs loop | vs ar | TTFT p50/p99 ms | TPOT p50/p99 ms | τ | depth | "
              "greedy = ar | RSS MB |", "|---" * 12 + "|"]
     ratio_of = {(r["concurrency"], r["method"], r["mode"]): r for r in ratios}
     for r in results:
         q = ratio_of.get((r["concurrency"], r["method"], r["mode"]), {})
-        lines.append(f"| {r['concurrency']} | {r['method']} | {r['mode']} | {r['tokens_per_s']} | "
+        runs = "/".join(str(round(v)) for v in r.get("tokens_per_s_runs", []))
+        lines.append(f"| {r['concurrency']} | {r['method']} | {r['mode']} | {r['tokens_per_s']} ({runs}) | "
                      f"{q.get('vs_loop', '')} | {q.get('vs_ar_same_mode', '')} | {r['ttft_p50_ms']}/{r['ttft_p99_ms']} | "
                      f"{r['tpot_p50_ms']}/{r['tpot_p99_ms']} | {r['tau']} | {r.get('draft_depth_mean', '')} | "
                      f"{r.get('greedy_identical_to_ar', '')} | {r.get('peak_rss_mb', r.get('rss_mb', ''))} |")

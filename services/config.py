@@ -41,4 +41,5 @@ class TargetServiceConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=2)  # None = the model's max_position_embeddings
     default_spec: SpecParams = SpecParams()  # what a request that names no method/shape/sizes gets
     scheduler: SchedulerConfig = SchedulerConfig()  # continuous batching: KV arena, running/waiting limits, chunking
-    internal_timeout_s: float = Field(600.0, gt=0)  # deadline of each draft<->target stream
+    internal_timeout_s: float = Field(600.0, gt=0)  # deadline of a per-generation draft stream (per-request loop)
+    draft_step_timeout_s: float = Field(30.0, gt=0)  # longest wait for the draft's reply to one engine step

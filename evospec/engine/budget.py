@@ -17,11 +17,12 @@ tokens, so verification stays lossless whatever is chosen.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from evospec.config import TreeParams
+from evospec.config import SpecParams, TreeParams
 
 
 class OnlineCost:
@@ -150,79 +151,113 @@ class Acceptance:
         return total
 
 
+def draft_kind(spec: SpecParams) -> tuple:
+    """What makes drafting cost and accept differently: the method and its vocabulary sizes (sd: every row)."""
+    if spec.method == "sd":
+        return ("sd",)
+    return (spec.method, spec.vocab.static_size, spec.vocab.dynamic_size if spec.method == "evospec" else 0)
+
+
 class SpeculationBudget:
-    def __init__(self, target_cost: TokenCostTable, draft_cost: OnlineCost, prior_alpha: float = 0.6,
+    """Costs and acceptance are kept per draft kind (`draft_kind`): an `sd` draft with its full head costs and
+    accepts nothing like an `frspec` one, and one must not talk the scheduler out of the other."""
+
+    def __init__(self, target_cost: TokenCostTable, draft_prior: OnlineCost, prior_alpha: float = 0.6,
                  explore_every: int = 64):
         self.target_cost = target_cost  # one target forward alone, by tokens
-        self.draft_cost = draft_cost  # what drafting adds to a step, over draft_features
-        self.prior_alpha = prior_alpha  # acceptance of a request before it has drafted
-        self.global_acceptance = Acceptance()
+        self.draft_prior = draft_prior  # start-up model of what drafting adds; each kind starts from a copy
+        self.draft_costs: dict[tuple, OnlineCost] = {}
+        self.prior_alpha = prior_alpha  # acceptance of a request before its kind has drafted
+        self.acceptance: dict[tuple, Acceptance] = {}  # per kind, over every request so far
         self.explore_every = explore_every  # after this many steps without a draft, draft once to re-measure
         self._steps_without_draft = 0
-        self._goodput: dict[tuple[int, bool], float] = {}  # (batch-size bucket, drafted) -> measured tokens/s
+        self._explore_interval = explore_every
+        self._goodput: dict[tuple, float] = {}  # (kinds, batch-size bucket, drafted) -> measured tokens/s
 
-    def record_goodput(self, sessions: int, drafted: bool, committed: int, seconds: float) -> None:
-        """A whole step's outcome: `committed` tokens over `sessions` speculative sessions in `seconds`."""
+    def draft_cost(self, kind: tuple) -> OnlineCost:
+        if kind not in self.draft_costs:
+            self.draft_costs[kind] = copy.deepcopy(self.draft_prior)
+        return self.draft_costs[kind]
+
+    def record_acceptance(self, kind: tuple, depth_drafted: int, accepted_len: int) -> None:
+        self.acceptance.setdefault(kind, Acceptance()).record(depth_drafted, accepted_len)
+
+    def record_step(self, tokens: int, target_seconds: float, depth: int = 0,
+                    drafting: dict[tuple, tuple[int, int]] | None = None, draft_seconds: float = 0.0) -> None:
+        """One engine step: its target forward over `tokens`, and, when it drafted (`depth` levels; `drafting` =
+        {kind: (sessions, rows per level)}), the draft side's seconds (trees and feedback). Drafting is charged
+        everything it added: its own time plus what the target took beyond its cost alone (on a shared CPU the
+        draft's weights push the target's out of the caches). A step of several kinds shares it by sessions."""
+        if depth == 0 or not drafting:
+            self.target_cost.update(tokens, target_seconds)
+            return
+        excess = max(0.0, target_seconds - self.target_cost(tokens))
+        total_sessions = sum(n for n, _ in drafting.values())
+        for kind, (sessions, rows) in drafting.items():
+            share = sessions / total_sessions
+            self.draft_cost(kind).update(draft_features(depth, sessions, rows), share * (draft_seconds + excess))
+
+    def record_goodput(self, kinds: frozenset, sessions: int, drafted: bool, committed: int, seconds: float) -> None:
+        """A whole step's outcome: `committed` tokens over `sessions` speculative sessions of `kinds` in `seconds`."""
         if sessions and seconds > 0:
-            key = (sessions.bit_length(), drafted)
+            key = (kinds, sessions.bit_length(), drafted)
             rate = committed / seconds
             old = self._goodput.get(key)
             self._goodput[key] = rate if old is None else 0.8 * old + 0.2 * rate
 
-    def _measured_worse(self, sessions: int) -> bool:
-        """The safety net: at this batch size, drafting steps have measured less goodput than plain ones."""
-        bucket = sessions.bit_length()
-        plain, drafted = self._goodput.get((bucket, False)), self._goodput.get((bucket, True))
+    def _measured_worse(self, kinds: frozenset, sessions: int) -> bool:
+        """The safety net: for this mix and batch size, drafting steps have measured less goodput than plain ones."""
+        plain = self._goodput.get((kinds, sessions.bit_length(), False))
+        drafted = self._goodput.get((kinds, sessions.bit_length(), True))
         return plain is not None and drafted is not None and drafted < plain
 
-    def record_step(self, tokens: int, target_seconds: float, depth: int = 0, sessions: int = 0,
-                    rows_per_level: int = 0, draft_seconds: float = 0.0) -> None:
-        """One engine step: its target forward over `tokens`, and, when it drafted (`depth` levels for `sessions`
-        sessions), the draft side's seconds (trees and feedback). Drafting is charged everything it added: its own
-        time plus what the target took beyond its cost alone (on a shared CPU the draft's weights push the target's
-        out of the caches)."""
-        if depth == 0:
-            self.target_cost.update(tokens, target_seconds)
-            return
-        excess = max(0.0, target_seconds - self.target_cost(tokens))
-        self.draft_cost.update(draft_features(depth, sessions, rows_per_level), draft_seconds + excess)
+    def priors(self, kind: tuple, depth: int) -> list[float]:
+        """Per-level acceptance of a request that has not drafted that deep yet: its kind's, so far."""
+        acceptance = self.acceptance.get(kind, Acceptance())
+        return [acceptance.rate(j, self.prior_alpha, prior_weight=16.0) for j in range(depth)]
 
-    def priors(self, depth: int) -> list[float]:
-        """Per-level acceptance of a request that has not drafted that deep yet: every request's, so far."""
-        return [self.global_acceptance.rate(j, self.prior_alpha, prior_weight=16.0) for j in range(depth)]
-
-    def choose(self, requests: list[tuple[TreeParams, Acceptance]], prefill_tokens: int) -> int:
-        """The draft depth k (0 = no draft this step) with the best expected goodput for these requests."""
+    def choose(self, requests: list[tuple[TreeParams, Acceptance, tuple]], prefill_tokens: int) -> int:
+        """The draft depth k (0 = no draft this step) with the best expected goodput for these requests
+        ((shape, the request's acceptance, its draft kind) each)."""
         if not requests:
             return 0
-        rows = sum(1 if p.shape == "chain" else p.branching for p, _ in requests)
-        max_depth = max(tree_depth(p) for p, _ in requests)
-        priors = self.priors(max_depth)
+        max_depth = max(tree_depth(p) for p, _, _ in requests)
+        kinds: dict[tuple, list[int]] = {}  # kind -> [sessions, rows per level]
+        for params, _, kind in requests:
+            entry = kinds.setdefault(kind, [0, 0])
+            entry[0] += 1
+            entry[1] += 1 if params.shape == "chain" else params.branching
+        priors = {kind: self.priors(kind, max_depth) for kind in kinds}
         best_k, best = 0, -1.0
         best_nonzero, best_nonzero_goodput = 0, -1.0
         for k in range(max_depth + 1):
             tokens, committed = prefill_tokens, 0.0
-            for params, acceptance in requests:
+            for params, acceptance, kind in requests:
                 depth = tree_depth(clip_depth(params, k)) if k else 0
                 tokens += 1 + (tree_nodes(clip_depth(params, k)) if k else 0)
-                committed += 1 + acceptance.expected_accepted(depth, priors)
+                committed += 1 + acceptance.expected_accepted(depth, priors[kind])
             seconds = self.target_cost(tokens)
             if k:
-                seconds += self.draft_cost(draft_features(k, len(requests), rows))
+                seconds += sum(self.draft_cost(kind)(draft_features(k, n, rows)) for kind, (n, rows) in kinds.items())
             goodput = committed / max(seconds, 1e-9)
             if goodput > best * 1.0001:  # ties go to the shallower depth
                 best_k, best = k, goodput
             if k and goodput > best_nonzero_goodput:
                 best_nonzero, best_nonzero_goodput = k, goodput
-        if best_k and self._measured_worse(len(requests)):
+        vetoed = bool(best_k) and self._measured_worse(frozenset(kinds), len(requests))
+        if vetoed:
             best_k = 0  # whatever the model predicts, speculation must not cost throughput
         if best_k == 0 and max_depth > 0:
             # Costs learnt only from drafting steps go stale while nobody drafts (load fell, a draft got faster):
-            # now and then draft anyway, at the depth the model finds least bad, to measure again.
+            # now and then draft anyway, at the depth the model finds least bad, to measure again. Each exploration
+            # the safety net still vetoes doubles the wait for the next, so a draft that never pays costs ever less.
             self._steps_without_draft += 1
-            if self._steps_without_draft >= self.explore_every:
+            if self._steps_without_draft >= self._explore_interval:
                 self._steps_without_draft = 0
+                if vetoed:
+                    self._explore_interval = min(2 * self._explore_interval, 64 * self.explore_every)
                 return best_nonzero
         else:
             self._steps_without_draft = 0
+            self._explore_interval = self.explore_every
         return best_k

@@ -58,17 +58,18 @@ class DraftEngine:
         return self.model.embed_tokens.weight.device
 
     @staticmethod
-    def cache_tokens(max_len: int) -> int:
-        """KV slots a session needs. `max_len` (prompt + max_tokens + one tree + 2) suffices: a tree is drafted only
-        while fewer than max_tokens tokens are out, so at most prompt + max_tokens - 1 are committed, plus one tree
-        of scratch after them."""
-        return max_len
+    def cache_tokens(max_len: int, tree_params: TreeParams) -> int:
+        """KV slots a session needs: `max_len` (prompt + max_tokens + one tree + 2) plus the scratch that building a
+        tree forwards beyond the kept nodes (greedy trees expand `branching` nodes per level and prune afterwards)."""
+        forwarded = (tree_params.num_draft_tokens - 1) if tree_params.shape == "chain" else \
+            (tree_params.depth - 1) * tree_params.branching
+        return max_len + max(0, forwarded - tree_params.max_nodes) + 1
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams, tree_params: TreeParams,
               vocab_policy: VocabPolicy, max_len: int, seed: int, cache: KVCache | None = None) -> DraftSession:
         """A session over `cache` (a KVArena region from the scheduler) or a cache of its own."""
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        cache = cache if cache is not None else self.model.new_cache(self.cache_tokens(max_len))
+        cache = cache if cache is not None else self.model.new_cache(self.cache_tokens(max_len, tree_params))
         return DraftSession(cache, list(prompt_ids), vocab_policy.new_session(prompt_ids), sampling, tree_params,
                             generator)
 

@@ -115,13 +115,21 @@ class LocalBatchDrafter:
         self.sessions: dict[str, DraftSession] = {}
         self._drafted: set[str] = set()  # sessions that got a tree in the last propose
 
+    def kv_tokens(self, request: DraftRequest) -> int:
+        return DraftEngine.cache_tokens(request.max_len, request.spec.tree)
+
     def open(self, key: str, request: DraftRequest) -> None:
         """Raises OverloadedError while the draft arena has no region large enough (the request waits)."""
-        cache = self.arena.reserve(DraftEngine.cache_tokens(request.max_len))
+        cache = self.arena.reserve(self.kv_tokens(request))
         if cache is None:
             raise OverloadedError("draft KV arena full")
-        self.sessions[key] = self.engine.start(request.prompt_ids, request.sampling, request.spec.tree,
-                                               self.policies.get(request.spec), request.max_len, request.seed, cache)
+        try:
+            self.sessions[key] = self.engine.start(request.prompt_ids, request.sampling, request.spec.tree,
+                                                   self.policies.get(request.spec), request.max_len, request.seed,
+                                                   cache)
+        except BaseException:
+            self.arena.release(cache)
+            raise
 
     def propose(self, requests: dict[str, TreeParams], prefills: dict[str, int]) -> dict[str, DraftTree | Exception]:
         trees = self.engine.propose_many([(self.sessions[k], params) for k, params in requests.items()],
@@ -140,7 +148,7 @@ class LocalBatchDrafter:
                 self.engine.commit(self.sessions[key], verified.result)
 
     def flush(self) -> None:
-        return None
+        self._drafted = set()  # a step that proposes nothing must not see the last one's
 
     def close(self, key: str) -> None:
         session = self.sessions.pop(key, None)

@@ -32,6 +32,7 @@ from evospec.engine.budget import (
     TokenCostTable,
     clip_depth,
     draft_features,
+    draft_kind,
     tree_depth,
 )
 from evospec.engine.drafter import BatchDrafter, DraftRequest, LocalBatchDrafter
@@ -92,6 +93,10 @@ class _Request:
         return self.spec.method != "ar"
 
     @property
+    def kind(self) -> tuple:
+        return draft_kind(self.spec)
+
+    @property
     def max_len(self) -> int:
         return len(self.prompt_ids) + self.sampling.max_tokens + self.spec.tree.max_nodes + 2
 
@@ -109,7 +114,8 @@ class RequestHandle:
         return self._request.stats
 
     def cancel(self) -> None:
-        """Stop the generation; its KV and draft session are freed at the next step (no further events)."""
+        """Stop the generation: its KV and draft session are freed at the scheduler's next step; events of the step
+        in flight may still arrive, none after it."""
         self._request.cancelled.set()
         self._wake()
 
@@ -146,17 +152,34 @@ class Scheduler:
         seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little")
         request = _Request(uuid.uuid4().hex, list(prompt_ids), sampling, spec, seed, sink, deadline,
                            SpecStats(prompt_tokens=len(prompt_ids)))
-        if request.max_len > self.arena.capacity:
-            raise OverloadedError(f"the request needs {request.max_len} KV tokens (prompt {len(prompt_ids)} + "
-                                  f"max_tokens {sampling.max_tokens} + one tree); this replica's KV arena holds "
-                                  f"{self.arena.capacity} (scheduler.kv_tokens): lower max_tokens or the prompt")
+        self._check_fits(request)
         with self._lock:
+            if self._stopping:
+                raise OverloadedError("the server is shutting down; retry on another replica")
             if len(self._waiting) >= self.config.max_waiting:
                 raise OverloadedError(f"{len(self._waiting)} requests already wait for KV memory (max_waiting="
                                       f"{self.config.max_waiting}); retry later")
             self._waiting.append(request)
             self._wakeup.notify()
         return RequestHandle(request, self._wake)
+
+    def _check_fits(self, request: _Request) -> None:
+        """Refuse at once what no amount of waiting would admit: more KV than an arena holds."""
+        draft_arena = getattr(self.drafter, "arena", None)
+        needs = [(request.max_len, self.arena.capacity, "kv_tokens")]
+        if request.speculative and draft_arena is not None:
+            needs.append((self.drafter.kv_tokens(self._draft_request(request)), draft_arena.capacity,
+                          "draft_kv_tokens"))
+        for tokens, capacity, name in needs:
+            if tokens > capacity:
+                raise OverloadedError(f"the request needs {tokens} KV tokens (prompt {len(request.prompt_ids)} + "
+                                      f"max_tokens {request.sampling.max_tokens} + one tree); this replica holds "
+                                      f"{capacity} (scheduler.{name}): lower max_tokens or the prompt")
+
+    @staticmethod
+    def _draft_request(request: _Request) -> DraftRequest:
+        return DraftRequest(request.prompt_ids, request.sampling, request.spec, request.max_len,
+                            draft_seed(request.seed))
 
     def num_running(self) -> int:
         return len(self._running)
@@ -184,12 +207,17 @@ class Scheduler:
         with self._lock:
             self._wakeup.notify()
 
+    def _idle(self) -> bool:
+        return not self._stopping and not self._waiting and not self._running
+
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._stopping and not self._waiting and not self._running:
-                    if self.drafter is not None:  # closes of the last step's sessions reach the draft now
-                        self._flush_drafter()
+                idle = self._idle()
+            if idle and self.drafter is not None:
+                self._flush_drafter()  # closes of the last step's sessions reach the draft now (outside the lock)
+            with self._lock:
+                while self._idle():
                     self._wakeup.wait()
                 if self._stopping:
                     break
@@ -199,9 +227,11 @@ class Scheduler:
                 log.exception("scheduler step failed")
                 for request in list(self._running.values()):
                     self._fail(request, exc)
-        for request in [*self._running.values(), *self._waiting]:
+        with self._lock:  # submit refuses from now on, so nothing is added after this
+            leftover = [*self._running.values(), *self._waiting]
+            self._waiting.clear()
+        for request in leftover:
             self._fail(request, OverloadedError("the server is shutting down; retry on another replica"))
-        self._waiting.clear()
 
     def run_until_idle(self) -> None:
         """Step until nothing runs or waits (tests and benchmarks drive the scheduler without its thread)."""
@@ -222,13 +252,18 @@ class Scheduler:
         draft_seconds = time.perf_counter() - start
         tokens, target_seconds, feedback_seconds, committed = self._verify(decoding, prefills, trees)
         if self.budget is not None and not draft_prefill:  # a draft prefill chunk would skew the per-level cost
-            drafting = [r for r in decoding if r.key in trees]
-            rows = sum(1 if r.spec.tree.shape == "chain" else r.spec.tree.branching for r in drafting)
-            self.budget.record_step(tokens, target_seconds, k if trees else 0, len(drafting), rows,
+            drafting: dict[tuple, tuple[int, int]] = {}
+            for r in decoding:
+                if r.key in trees:
+                    sessions, rows = drafting.get(r.kind, (0, 0))
+                    width = 1 if r.spec.tree.shape == "chain" else r.spec.tree.branching
+                    drafting[r.kind] = (sessions + 1, rows + width)
+            self.budget.record_step(tokens, target_seconds, k if trees else 0, drafting,
                                     draft_seconds + feedback_seconds)
-            if not prefills:
-                self.budget.record_goodput(sum(r.speculative for r in decoding), bool(trees), committed,
-                                           draft_seconds + target_seconds + feedback_seconds)
+            speculative = [r for r in decoding if r.speculative]
+            if not prefills and speculative:
+                self.budget.record_goodput(frozenset(r.kind for r in speculative), len(speculative), bool(trees),
+                                           committed, draft_seconds + target_seconds + feedback_seconds)
         if self.drafter is not None:
             self._flush_drafter()
         self.steps += 1
@@ -248,13 +283,20 @@ class Scheduler:
                 continue
             cache = self.arena.reserve(request.max_len)
             if cache is None:
+                if not self._running:  # nothing will free KV: an arena too fragmented or leaked; never spin
+                    self._pop_waiting()
+                    self._fail(request, OverloadedError("no KV region large enough is free; retry later"))
+                    continue
                 return  # FCFS: the head waits for KV, the others wait behind it
             if request.speculative:
                 try:
-                    self.drafter.open(request.key, DraftRequest(request.prompt_ids, request.sampling, request.spec,
-                                                                request.max_len, draft_seed(request.seed)))
-                except OverloadedError:
+                    self.drafter.open(request.key, self._draft_request(request))
+                except OverloadedError as exc:
                     self.arena.release(cache)
+                    if not self._running:
+                        self._pop_waiting()
+                        self._fail(request, exc)
+                        continue
                     return
                 except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
                     self.arena.release(cache)
@@ -293,7 +335,7 @@ class Scheduler:
             return 0
         if self.budget is None:
             return max(tree_depth(r.spec.tree) for r in speculative)
-        return self.budget.choose([(r.spec.tree, r.acceptance) for r in speculative], prefill_tokens)
+        return self.budget.choose([(r.spec.tree, r.acceptance, r.kind) for r in speculative], prefill_tokens)
 
     def _draft(self, decoding: list[_Request], prefills: dict[str, int], k: int) -> dict[str, DraftTree]:
         requests = {r.key: clip_depth(r.spec.tree, k) for r in decoding if r.speculative and k > 0}
@@ -345,7 +387,7 @@ class Scheduler:
                 depth = int(tree_depths(tree.parents).max())
                 request.acceptance.record(depth, accepted)
                 if self.budget is not None:
-                    self.budget.global_acceptance.record(depth, accepted)
+                    self.budget.record_acceptance(request.kind, depth, accepted)
             tokens, finish = apply_stop_rules(verified.result.committed_tokens, len(request.output_ids),
                                               request.sampling, self.decoder.eos_ids)
             request.output_ids.extend(tokens)

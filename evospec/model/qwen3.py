@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from evospec.kernels.kv import compact_kv
+from evospec.kernels.pruned_head import head_product
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2")
 
@@ -269,7 +270,7 @@ class Qwen3(nn.Module):
     @torch.inference_mode()
     def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] -> logits [n, vocab] float32."""
-        return (hidden @ self.head_weight.T).float()
+        return head_product(hidden, self.head_weight).float()
 
 
 def load_qwen3(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Qwen3:

@@ -1,9 +1,11 @@
-"""Target side of the internal protocol: a `Drafter` that talks to a draft replica over one bidi stream, and the
-pool that finds draft replicas and opens those streams.
+"""Target side of the internal protocol: `RemoteMuxDrafter`, the scheduler's drafts over one multiplexed stream per
+target replica (SpeculateBatch); `RemoteDrafter`, a per-request loop's draft over one stream per generation
+(Speculate); and the pool that finds the draft replica and holds the channel.
 
-The target drives: Start once, then per step one Outcome (accepted path, bonus, target-fed buffer candidates) and
-one DraftToTarget back (the next tree + the buffer slot changes the draft applied before drafting it). The target
-mirrors A from those changes, so misses and candidates are computed against exactly the A each tree used.
+The target drives: it opens sessions with the prompt, sends each verified step's outcome (accepted path, bonus,
+target-fed buffer candidates) and gets trees back with the buffer slot changes the draft applied before drafting
+them. The target mirrors A from those changes, so misses and candidates are computed against exactly the A each
+tree used.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from evospec.engine.drafter import DraftRequest, feedback_for
 from evospec.engine.stats import SpecStats
 from evospec.engine.target import VerifiedStep
 from evospec.errors import EvoSpecError
+from evospec.kernels.tree import tree_depths
 from evospec.services.common.convert import (
     outcome_to_proto,
     session_op_to_proto,
@@ -176,9 +179,10 @@ class RemoteMuxDrafter:
     Outcomes of a step are sent at its end (`flush`) without waiting, and read back with the next step's trees."""
 
     def __init__(self, pool: "RemoteDraftPool", layout_of: Callable[[SpecParams], ActiveLayout], vocab_size: int,
-                 static_vocab_sha: str):
+                 static_vocab_sha: str, step_timeout_s: float = 30.0):
         self.pool, self.layout_of = pool, layout_of
         self.vocab_size, self.static_vocab_sha = vocab_size, static_vocab_sha
+        self.step_timeout_s = step_timeout_s  # a draft silent for longer fails its sessions (the others go on)
         self.mirrors: dict[str, ActiveSetMirror] = {}
         self._wants_candidates: dict[str, bool] = {}
         self._stats: dict[str, SpecStats] = {}
@@ -206,10 +210,14 @@ class RemoteMuxDrafter:
         except DraftStreamError as exc:
             return {key: exc for key in self.mirrors}  # the stream is gone, and every session on it
         for session in reply.sessions:
-            if session.has_tree and session.session_id in requests and session.session_id in self.mirrors:
-                mirror = self.mirrors[session.session_id]
-                out[session.session_id] = tree_from_proto(
-                    session.reply, mirror.row_ids.clone() if session.reply.draft_probs else None)
+            key = session.session_id
+            if session.has_tree and key in requests and key in self.mirrors:
+                mirror = self.mirrors[key]
+                try:
+                    out[key] = checked_tree(tree_from_proto(
+                        session.reply, mirror.row_ids.clone() if session.reply.draft_probs else None), requests[key])
+                except ValueError as exc:  # a malformed tree fails its session, never the batch
+                    out[key] = DraftStreamError(f"draft: {exc}", "INTERNAL")
         out.update(self._errors)
         self._errors = {}
         return out
@@ -226,12 +234,11 @@ class RemoteMuxDrafter:
             self._ops.append(session_op_to_proto(key, "outcome", result=verified.result, candidates=candidates))
 
     def flush(self) -> None:
-        """Send the step's outcomes and closes now (the replica commits them while the target goes on)."""
+        """Send the step's outcomes and closes now (the replica commits them while the target goes on). Stream
+        errors surface at the next exchange."""
+        self._drafted = set()
         if self._ops:
-            try:
-                self._connected().send(spec_pb.TargetStep(ops=self._take_ops()))
-            except DraftStreamError as exc:
-                self._errors.update({key: exc for key in self.mirrors})
+            self._connected().send(spec_pb.TargetStep(ops=self._take_ops()))
 
     def close(self, key: str) -> None:
         if self.mirrors.pop(key, None) is not None:
@@ -250,7 +257,7 @@ class RemoteMuxDrafter:
 
     def _connected(self) -> _MuxStream:
         if self._stream is None:
-            self._stream = _MuxStream(self.pool.stub, self.pool.timeout_s)
+            self._stream = _MuxStream(self.pool.stub, self.step_timeout_s)
         return self._stream
 
     def _exchange(self, msg: spec_pb.TargetStep) -> spec_pb.DraftStep:
@@ -285,6 +292,18 @@ class RemoteMuxDrafter:
                 stats.buffer_updates += sum(1 for c in session.reply.buffer_changes if c.token_id >= 0)
                 stats.draft_head_seconds = session.reply.head_seconds
                 stats.buffer_update_seconds = self._feedback_seconds[key] + session.reply.buffer_update_seconds
+
+
+def checked_tree(tree: DraftTree, params: TreeParams) -> DraftTree:
+    """A tree from another process, checked before the target forwards it: shapes agree, parents precede children,
+    and it is no larger than the shape asked for."""
+    if tree.parents.shape != tree.token_ids.shape:
+        raise ValueError(f"tree has {tree.size} tokens but {tree.parents.shape[0]} parents")
+    if tree.size > params.max_nodes:
+        raise ValueError(f"tree of {tree.size} nodes; at most {params.max_nodes} were asked for")
+    if tree.size and int(tree_depths(tree.parents).max()) > tree_depth(params):
+        raise ValueError(f"tree deeper than the {tree_depth(params)} levels asked for")
+    return tree
 
 
 class RemoteDraftPool:

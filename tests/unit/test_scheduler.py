@@ -287,12 +287,13 @@ def test_budget_picks_depth_by_goodput_and_re_measures():
 
     chain = TreeParams(shape="chain", num_draft_tokens=6)
     sure, unsure = Acceptance([100.0] * 6, [95.0] * 6), Acceptance([100.0] * 6, [5.0] * 6)
-    assert budget(0.0005).choose([(chain, sure)] * 4, 0) == 6  # cheap draft, high acceptance: the whole chain
+    kind = ("frspec", 32768, 0)
+    assert budget(0.0005).choose([(chain, sure, kind)] * 4, 0) == 6  # cheap draft, high acceptance: whole chain
     expensive = budget(0.02)
-    picks = [expensive.choose([(chain, unsure)] * 4, 0) for _ in range(5)]
+    picks = [expensive.choose([(chain, unsure, kind)] * 4, 0) for _ in range(5)]
     assert picks[:4] == [0, 0, 0, 0] and picks[4] > 0  # plain decoding, then one step to measure again
     busy = budget(0.0005, per_token=0.001)  # a target whose forward grows fast with tokens (compute-bound)
-    light, heavy = busy.choose([(chain, sure)], 0), busy.choose([(chain, sure)] * 32, 0)
+    light, heavy = busy.choose([(chain, sure, kind)], 0), busy.choose([(chain, sure, kind)] * 32, 0)
     assert light == 6 and 0 < heavy < light  # the busier the step, the shallower the speculation
 
 
@@ -303,10 +304,31 @@ def test_budget_safety_net_stops_drafting_that_measures_worse():
     target.update(8, 0.011)
     draft.calibrate(draft_features(1, 4, 4), 0.0001)  # the model thinks drafting is almost free
     budget = SpeculationBudget(target, draft, explore_every=1000)
-    requests = [(TreeParams(shape="chain", num_draft_tokens=4), Acceptance([10.0] * 4, [9.0] * 4))] * 4
+    sd, frspec = ("sd",), ("frspec", 32768, 0)
+    requests = [(TreeParams(shape="chain", num_draft_tokens=4), Acceptance([10.0] * 4, [9.0] * 4), sd)] * 4
     assert budget.choose(requests, 0) == 4
-    budget.record_goodput(4, drafted=False, committed=4, seconds=0.010)  # measured: 400 tok/s plain
-    budget.record_goodput(4, drafted=True, committed=10, seconds=0.050)  # 200 tok/s drafting
+    budget.record_goodput(frozenset([sd]), 4, drafted=False, committed=4, seconds=0.010)  # 400 tok/s plain
+    budget.record_goodput(frozenset([sd]), 4, drafted=True, committed=10, seconds=0.050)  # 200 tok/s drafting
     assert budget.choose(requests, 0) == 0
-    budget.record_goodput(2, drafted=False, committed=2, seconds=0.010)  # other batch sizes keep the model's choice
-    assert budget.choose(requests[:2], 0) == 4
+    assert budget.choose(requests[:2], 0) == 4  # other batch sizes keep the model's choice
+    assert budget.choose([(p, a, frspec) for p, a, _ in requests], 0) == 4  # and other draft kinds
+
+
+def test_deep_narrow_greedy_trees_fit_their_kv_to_the_last_token(decoder):
+    """A greedy tree forwards (depth - 1) * branching scratch nodes before pruning to its budget: the draft's KV
+    region must hold them in the last steps too (in the per-request loop and in the arena)."""
+    spec = SpecParams(method="sd", tree=TreeParams(shape="tree", depth=8, branching=2, budget=8))
+    sampling = SamplingParams(max_tokens=30, ignore_eos=True)
+    sink = Collector()
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=1024, adaptive=False))
+    scheduler.submit([5, 6, 7], sampling, spec, sink)
+    scheduler.run_until_idle()
+    assert isinstance(sink.finished, Finished), sink.finished
+    assert sink.tokens == oracle(decoder, [5, 6, 7], sampling, spec).output_ids
+
+
+def test_submit_after_stop_is_refused(decoder):
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=1024, adaptive=False)).start()
+    scheduler.stop()
+    with pytest.raises(OverloadedError, match="shutting down"):
+        scheduler.submit([3], SamplingParams(max_tokens=4), SpecParams(method="ar"), Collector())
