@@ -18,6 +18,7 @@ tokens, so verification stays lossless whatever is chosen.
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -100,25 +101,30 @@ def draft_features(depth: int, sessions: int, rows_per_level: int) -> list[float
     return [1.0, float(sessions), float(depth), float(depth * rows_per_level)]
 
 
-def tree_nodes(params: TreeParams) -> int:
-    """Most nodes a tree of this shape can have."""
-    if params.shape == "chain":
-        return params.num_draft_tokens
-    b = params.branching
-    return min(params.budget, b + (params.depth - 1) * b * b)
-
-
 def tree_depth(params: TreeParams) -> int:
     return params.num_draft_tokens if params.shape == "chain" else params.depth
 
 
-def clip_depth(params: TreeParams, k: int) -> TreeParams:
-    """The request's shape cut to at most k levels (and the node budget such a tree can use)."""
+def clipped_size(params: TreeParams, k: int) -> tuple[int, int]:
+    """(depth, most nodes) of the request's shape cut to k levels: `clip_depth` without building it (the budget
+    evaluates this for every request and depth, every step)."""
+    if k <= 0:
+        return 0, 0
     if params.shape == "chain":
-        return params.model_copy(update={"num_draft_tokens": min(k, params.num_draft_tokens)})
+        depth = min(k, params.num_draft_tokens)
+        return depth, depth
     depth = min(k, params.depth)
     b = params.branching
-    return params.model_copy(update={"depth": depth, "budget": min(params.budget, b + (depth - 1) * b * b)})
+    return depth, min(params.budget, b + (depth - 1) * b * b)
+
+
+@functools.lru_cache(maxsize=1024)  # shapes are frozen (hashable) and few; this runs for every drafting request
+def clip_depth(params: TreeParams, k: int) -> TreeParams:
+    """The request's shape cut to at most k >= 1 levels (and the node budget such a tree can use)."""
+    depth, nodes = clipped_size(params, k)
+    if params.shape == "chain":
+        return params.model_copy(update={"num_draft_tokens": depth})
+    return params.model_copy(update={"depth": depth, "budget": nodes})
 
 
 @dataclass
@@ -229,12 +235,11 @@ class SpeculationBudget:
             entry[1] += 1 if params.shape == "chain" else params.branching
         priors = {kind: self.priors(kind, max_depth) for kind in kinds}
         best_k, best = 0, -1.0
-        best_nonzero, best_nonzero_goodput = 0, -1.0
         for k in range(max_depth + 1):
             tokens, committed = prefill_tokens, 0.0
             for params, acceptance, kind in requests:
-                depth = tree_depth(clip_depth(params, k)) if k else 0
-                tokens += 1 + (tree_nodes(clip_depth(params, k)) if k else 0)
+                depth, nodes = clipped_size(params, k)
+                tokens += 1 + nodes
                 committed += 1 + acceptance.expected_accepted(depth, priors[kind])
             seconds = self.target_cost(tokens)
             if k:
@@ -242,21 +247,19 @@ class SpeculationBudget:
             goodput = committed / max(seconds, 1e-9)
             if goodput > best * 1.0001:  # ties go to the shallower depth
                 best_k, best = k, goodput
-            if k and goodput > best_nonzero_goodput:
-                best_nonzero, best_nonzero_goodput = k, goodput
         vetoed = bool(best_k) and self._measured_worse(frozenset(kinds), len(requests))
         if vetoed:
             best_k = 0  # whatever the model predicts, speculation must not cost throughput
         if best_k == 0 and max_depth > 0:
             # Costs learnt only from drafting steps go stale while nobody drafts (load fell, a draft got faster):
-            # now and then draft anyway, at the depth the model finds least bad, to measure again. Each exploration
-            # the safety net still vetoes doubles the wait for the next, so a draft that never pays costs ever less.
+            # now and then draft anyway, one level (the cheapest probe), to measure again. Each exploration the
+            # safety net still vetoes doubles the wait for the next, so a draft that never pays costs ever less.
             self._steps_without_draft += 1
             if self._steps_without_draft >= self._explore_interval:
                 self._steps_without_draft = 0
                 if vetoed:
                     self._explore_interval = min(2 * self._explore_interval, 64 * self.explore_every)
-                return best_nonzero
+                return 1
         else:
             self._steps_without_draft = 0
             self._explore_interval = self.explore_every
