@@ -9,6 +9,9 @@ One engine step:
    session's [pending] + tree, the LM head on the verified rows only, `verify_batch`, commit.
 5. Stop rules, events to each request's sink, feedback to the draft (buffer updates) for those that go on.
 
+A draft that fails (an error, a broken stream, no reply within its deadline) never fails a generation: the request
+drops its draft and continues target-only from its committed state (`SpecStats.fallback_steps/fallback_reason`).
+
 Each request keeps its own method, tree, vocabulary sizes, sampling parameters, seed and stop rules; the per-request
 loop (`SpeculativeDecoder.generate`) is the reference its output is tested against (tests/unit/test_scheduler.py).
 No Ray or gRPC here: fronts call `submit` from any thread and read events from the sink they pass.
@@ -99,6 +102,12 @@ class _Request:
     @property
     def max_len(self) -> int:
         return len(self.prompt_ids) + self.sampling.max_tokens + self.spec.tree.max_nodes + 2
+
+
+def fallback_reason(error: BaseException) -> str:
+    """One line for the statistics: the error's type and the first line of its message, at most 200 characters."""
+    message = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {message}"[:200]
 
 
 class RequestHandle:
@@ -245,7 +254,7 @@ class Scheduler:
             return
         prefills = self._plan_prefill()
         decoding = [r for r in self._running.values() if r.target.prefill_remaining == 0]
-        k = self._choose_depth([r for r in decoding if r.speculative], sum(prefills.values()))
+        k = self._choose_depth([r for r in decoding if r.drafted], sum(prefills.values()))
         draft_prefill = any(self._running[key].drafted for key in prefills)
         start = time.perf_counter()
         trees = self._draft(decoding, prefills, k)
@@ -260,7 +269,7 @@ class Scheduler:
                     drafting[r.kind] = (sessions + 1, rows + width)
             self.budget.record_step(tokens, target_seconds, k if trees else 0, drafting,
                                     draft_seconds + feedback_seconds)
-            speculative = [r for r in decoding if r.speculative]
+            speculative = [r for r in decoding if r.drafted]
             if not prefills and speculative:
                 self.budget.record_goodput(frozenset(r.kind for r in speculative), len(speculative), bool(trees),
                                            committed, draft_seconds + target_seconds + feedback_seconds)
@@ -298,12 +307,10 @@ class Scheduler:
                         self._fail(request, exc)
                         continue
                     return
-                except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
-                    self.arena.release(cache)
-                    self._pop_waiting()
-                    self._fail(request, exc)
-                    continue
-                request.drafted = True
+                except Exception as exc:  # noqa: BLE001 - no draft: the request runs target-only (lossless)
+                    request.stats.fallback_reason = fallback_reason(exc)
+                else:
+                    request.drafted = True
             request.target = self.decoder.target.open(request.prompt_ids, request.sampling, cache, request.seed)
             self._pop_waiting()
             self._running[request.key] = request
@@ -338,21 +345,21 @@ class Scheduler:
         return self.budget.choose([(r.spec.tree, r.acceptance, r.kind) for r in speculative], prefill_tokens)
 
     def _draft(self, decoding: list[_Request], prefills: dict[str, int], k: int) -> dict[str, DraftTree]:
-        requests = {r.key: clip_depth(r.spec.tree, k) for r in decoding if r.speculative and k > 0}
+        requests = {r.key: clip_depth(r.spec.tree, k) for r in decoding if r.drafted and k > 0}
         draft_prefills = {key: n for key, n in prefills.items() if self._running[key].drafted}
         if not requests and not draft_prefills:
             return {}
         start = time.perf_counter()
         try:
             proposed = self.drafter.propose(requests, draft_prefills)
-        except Exception as exc:  # noqa: BLE001 - a draft failure fails its sessions, never the scheduler
+        except Exception as exc:  # noqa: BLE001 - a draft failure drops the draft of its sessions, nothing more
             proposed = {key: exc for key in [*requests, *draft_prefills]}
         seconds = time.perf_counter() - start
         trees = {}
         for key, tree in proposed.items():
             if isinstance(tree, Exception):
                 if key in self._running:
-                    self._fail(self._running[key], tree)
+                    self._drop_draft(self._running[key], tree)
             elif key in requests:
                 trees[key] = tree
                 self._running[key].stats.draft_seconds += seconds
@@ -388,6 +395,8 @@ class Scheduler:
                 request.acceptance.record(depth, accepted)
                 if self.budget is not None:
                     self.budget.record_acceptance(request.kind, depth, accepted)
+            if request.speculative and not request.drafted:
+                stats.fallback_steps += 1
             tokens, finish = apply_stop_rules(verified.result.committed_tokens, len(request.output_ids),
                                               request.sampling, self.decoder.eos_ids)
             request.output_ids.extend(tokens)
@@ -403,10 +412,10 @@ class Scheduler:
             start = time.perf_counter()
             try:
                 self.drafter.observe(feedback)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - the draft is dropped; the generations go on target-only
                 for key in feedback:
                     if key in self._running:
-                        self._fail(self._running[key], exc)
+                        self._drop_draft(self._running[key], exc)
             seconds = time.perf_counter() - start
             for key, (_, stats) in feedback.items():
                 stats.draft_seconds += seconds
@@ -429,9 +438,23 @@ class Scheduler:
     def _flush_drafter(self) -> None:
         try:
             self.drafter.flush()
-        except Exception as exc:  # noqa: BLE001 - the drafter's sessions fail, the scheduler goes on
+        except Exception as exc:  # noqa: BLE001 - the drafter's sessions go on target-only
             for request in [r for r in self._running.values() if r.drafted]:
-                self._fail(request, exc)
+                self._drop_draft(request, exc)
+
+    def _drop_draft(self, request: _Request, error: BaseException) -> None:
+        """Lossless fallback: the generation goes on from its exact committed state without the draft (target-only
+        steps: greedy output stays the target's, sampling keeps its distribution; a tree that was never verified is
+        simply dropped). Its statistics count those steps and say why."""
+        if not request.drafted:
+            return
+        request.drafted = False
+        request.stats.fallback_reason = fallback_reason(error)
+        log.warning("request %s continues without its draft: %s", request.key[:8], request.stats.fallback_reason)
+        try:
+            self.drafter.close(request.key)
+        except Exception:  # noqa: BLE001 - closing is best effort
+            pass
 
     def _fail(self, request: _Request, error: BaseException) -> None:
         self._release(request)

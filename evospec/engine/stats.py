@@ -27,6 +27,8 @@ class SpecStats:
     verified_positions: int = 0
     buffer_updates: int = 0  # ids added to the dynamic buffer (evospec)
     buffer_update_seconds: float = 0.0
+    fallback_steps: int = 0  # steps run target-only after the draft failed (the scheduler's lossless fallback)
+    fallback_reason: str = ""  # why the draft was dropped, "" = it never was
 
     def record_step(self, drafted: int, accepted: int) -> None:
         self.steps += 1

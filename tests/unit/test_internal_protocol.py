@@ -174,24 +174,59 @@ def test_concurrent_generations_batched_over_the_stream(setup, varying_depth):
     wait_closed(draft_server)
 
 
-def test_multiplexed_stream_failures_stay_with_their_sessions(setup):
-    """A draft replica with another static vocabulary fails the speculative requests with a clear error; `ar`
-    requests on the same scheduler are untouched, and the draft holds no session afterwards."""
-    _, remote_only, pool, draft_server, _ = setup
+def test_draft_stream_failures_fall_back_to_target_only(setup):
+    """A draft replica with another static vocabulary: the speculative request runs target-only (its statistics
+    say why), greedy output unchanged; `ar` on the same scheduler is untouched; the draft holds no session after."""
+    local, remote_only, pool, draft_server, _ = setup
     server = make_server(remote_only, pool)
     server.scheduler.drafter.static_vocab_sha = "other"
 
-    async def run(spec):
-        try:
-            return await collect(server, GenerateRequest(Prompt(token_ids=[4, 5]), SamplingParams(max_tokens=6), spec))
-        except DraftStreamError as exc:
-            return exc
-
     async def both():
-        return await asyncio.wait_for(asyncio.gather(run(SpecParams(method="frspec", vocab={"static_size": 32})),
-                                                     run(SpecParams(method="ar"))), 30)
-    results = asyncio.run(both())
+        return await asyncio.wait_for(asyncio.gather(
+            collect(server, GenerateRequest(Prompt(token_ids=[4, 5]), SamplingParams(max_tokens=6),
+                                            SpecParams(method="frspec", vocab={"static_size": 32}))),
+            collect(server, GenerateRequest(Prompt(token_ids=[4, 5]), SamplingParams(max_tokens=6),
+                                            SpecParams(method="ar")))), 30)
+    (spec_tokens, spec_done), (ar_tokens, _) = asyncio.run(both())
     server.close()
-    assert isinstance(results[0], DraftStreamError) and "different static vocabularies" in str(results[0])
-    assert len(results[1][0]) == 6
+    assert spec_tokens == ar_tokens and len(ar_tokens) == 6
+    assert "different static vocabularies" in spec_done.stats["fallback_reason"]
+    assert spec_done.stats["fallback_steps"] == spec_done.stats["steps"]
     wait_closed(draft_server)
+
+
+def test_generations_survive_the_draft_replica_dying():
+    """The draft's gRPC server stops mid-generation: every stream completes target-only from its committed state,
+    greedy-identical to target-only decoding."""
+    target, draft = random_pair(vocab=VOCAB, seed=9, eos=1)
+    local = SpeculativeDecoder(target, draft, static_ids=STATIC)
+    draft_server = DraftServer(DraftEngine(draft), VocabPolicies(draft.head_weight, STATIC), "sha")
+    grpc_server, port = start_draft_server(draft_server, "127.0.0.1")
+    pool = pool_for(f"127.0.0.1:{port}")
+    server = make_server(SpeculativeDecoder(target, None, static_ids=STATIC), pool)
+    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
+    methods = ["sd", "frspec", "evospec", "ar"]
+
+    async def run():
+        async def one(i):
+            tokens = []
+            async for event in server.generate(GenerateRequest(
+                    Prompt(token_ids=[4 + i, 50]), sampling,
+                    SpecParams(method=methods[i], vocab={"static_size": 32, "dynamic_size": 8}))):
+                if isinstance(event, FinishedEvent):
+                    return tokens, event
+                tokens += event.token_ids
+                if len(tokens) >= 8 and i == 0:
+                    grpc_server.stop(grace=None)  # the draft replica dies while all four stream
+        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(4))), 60)
+
+    results = asyncio.run(run())
+    server.close()
+    pool.close()
+    for i, (tokens, finished) in enumerate(results):
+        expected = local.generate([4 + i, 50], sampling, SpecParams(method="ar"))
+        list(expected)
+        assert tokens == expected.output_ids
+        assert finished.finish_reason == "length"
+        if methods[i] != "ar":
+            assert finished.stats["fallback_steps"] > 0 and finished.stats["fallback_reason"]

@@ -332,3 +332,43 @@ def test_submit_after_stop_is_refused(decoder):
     scheduler.stop()
     with pytest.raises(OverloadedError, match="shutting down"):
         scheduler.submit([3], SamplingParams(max_tokens=4), SpecParams(method="ar"), Collector())
+
+
+class FailingDrafter:
+    """Wraps the in-process batch drafter; its `fail_at`-th propose raises for every session (a draft crash)."""
+
+    def __init__(self, inner, fail_at: int):
+        self.inner, self.fail_at, self.calls = inner, fail_at, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, requests, prefills):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise ConnectionResetError("draft replica gone\nwith a second line")
+        return self.inner.propose(requests, prefills)
+
+
+def test_a_failing_draft_never_breaks_a_stream(decoder):
+    """Lossless fallback: every generation completes from its committed state target-only, greedy output equal to
+    the target's, and its statistics count the steps without the draft and say why."""
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, adaptive=False))
+    scheduler.drafter = FailingDrafter(scheduler.drafter, fail_at=4)
+    sampling = SamplingParams(max_tokens=30, ignore_eos=True)
+    sinks = [Collector() for _ in range(4)]
+    for i, sink in enumerate(sinks):
+        scheduler.submit([5 + i, 6], sampling, SpecParams(method=["sd", "frspec", "evospec", "ar"][i],
+                                                            vocab={"static_size": 64}), sink)
+    scheduler.run_until_idle()
+    for i, sink in enumerate(sinks):
+        assert isinstance(sink.finished, Finished), sink.finished
+        assert sink.tokens == oracle(decoder, [5 + i, 6], sampling, SpecParams(method="ar")).output_ids
+        stats = sink.finished.stats
+        if i < 3:
+            assert stats.fallback_steps > 0 and stats.drafted > 0  # drafted before the failure, not after
+            assert stats.fallback_reason == "ConnectionResetError: draft replica gone"
+        else:
+            assert stats.fallback_steps == 0 and stats.fallback_reason == ""
+    assert not scheduler.drafter.inner.sessions
+    assert scheduler.arena.free_tokens == scheduler.arena.capacity
