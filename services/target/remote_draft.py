@@ -86,7 +86,6 @@ class RemoteDrafter:
         self._requests: queue.Queue = queue.Queue()
         self._requests.put(start_to_proto(session_id, request))
         self._call = stub.Speculate(iter(self._requests.get, None), timeout=timeout_s)
-        self._unread = 1  # replies the draft owes us
         self._first = True
         self._stats: SpecStats | None = None  # the generation's statistics, updated as replies arrive
 
@@ -95,7 +94,6 @@ class RemoteDrafter:
             msg = next(self._call)
         except grpc.RpcError as err:  # draft failure, deadline, cancellation
             raise DraftStreamError(f"draft: {err.details()}", err.code().name) from None
-        self._unread -= 1
         if self._first:
             self._first = False
             if self.static_vocab_sha and msg.static_vocab_sha and msg.static_vocab_sha != self.static_vocab_sha:
@@ -110,9 +108,7 @@ class RemoteDrafter:
         return msg
 
     def propose(self) -> DraftTree:
-        """The tree for the current state (waits for it); older replies are read first and their trees dropped."""
-        while self._unread > 1:
-            self._receive()
+        """The tree for the current state (waits for the draft's reply to Start or to the last outcome)."""
         msg = self._receive()
         return tree_from_proto(msg, self.mirror.row_ids.clone() if msg.draft_probs else None)
 
@@ -125,7 +121,6 @@ class RemoteDrafter:
             candidates = feedback_for(verified, self.mirror.mask, self.wants_candidates, stats).candidates
             self._feedback_seconds += time.perf_counter() - start
         self._requests.put(outcome_to_proto(verified.result, candidates))
-        self._unread += 1
 
     def close(self) -> None:
         self._requests.put(spec_pb.TargetToDraft(outcome=spec_pb.Outcome(finished=True)))

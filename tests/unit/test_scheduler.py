@@ -141,14 +141,20 @@ def mixed_requests(temperature_of):
     return out
 
 
-@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
-def test_mixed_batch_greedy_identical_to_per_request_loop(decoder, adaptive):
-    requests = mixed_requests(lambda i: 0.0)
-    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, prefill_chunk=16, adaptive=adaptive))
+def run_all(scheduler, requests) -> list[Collector]:
+    """Submit every (prompt, sampling, spec) at once and step until all are done; one sink per request."""
     sinks = [Collector() for _ in requests]
     for (prompt, sampling, spec), sink in zip(requests, sinks):
         scheduler.submit(prompt, sampling, spec, sink)
     scheduler.run_until_idle()
+    return sinks
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+def test_mixed_batch_greedy_identical_to_per_request_loop(decoder, adaptive):
+    requests = mixed_requests(lambda i: 0.0)
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, prefill_chunk=16, adaptive=adaptive))
+    sinks = run_all(scheduler, requests)
     for (prompt, sampling, spec), sink in zip(requests, sinks):
         ref = oracle(decoder, prompt, sampling, spec)
         assert sink.tokens == ref.output_ids, spec.method
@@ -163,10 +169,7 @@ def test_mixed_batch_seeded_sampling_identical_to_per_request_loop(decoder):
     """With the draft depth fixed, each request draws the same random numbers in the same order as alone."""
     requests = mixed_requests(lambda i: [0.0, 0.7, 1.0][i % 3])
     scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, prefill_chunk=8, adaptive=False))
-    sinks = [Collector() for _ in requests]
-    for (prompt, sampling, spec), sink in zip(requests, sinks):
-        scheduler.submit(prompt, sampling, spec, sink)
-    scheduler.run_until_idle()
+    sinks = run_all(scheduler, requests)
     for (prompt, sampling, spec), sink in zip(requests, sinks):
         assert sink.tokens == oracle(decoder, prompt, sampling, spec).output_ids
 
