@@ -101,7 +101,10 @@ class SchedulerConfig(BaseModel):
     generations stepped together. max_waiting: admitted requests queued for KV or a running slot; beyond it,
     RESOURCE_EXHAUSTED. prefill_chunk: prompt tokens prefilled per engine step over all generations, so a long prompt
     delays the others' next tokens by at most one chunk. adaptive: choose each step's draft depth from measured step
-    costs and acceptance (goodput); off = every request drafts its full tree (the per-request loop's behaviour)."""
+    costs and acceptance (goodput); off = every request drafts its full tree (the per-request loop's behaviour).
+    draft_retry_s / draft_max_retry_s: after its draft failed, a running generation tries to resume speculation
+    (a new draft session, prefilled with everything committed so far) after draft_retry_s, doubling up to
+    draft_max_retry_s while it keeps failing."""
     model_config = ConfigDict(frozen=True, extra="forbid")
     kv_tokens: int = Field(32768, ge=16)
     draft_kv_tokens: int | None = Field(None, ge=16)
@@ -109,6 +112,8 @@ class SchedulerConfig(BaseModel):
     max_waiting: int = Field(256, ge=0)
     prefill_chunk: int = Field(256, ge=1)
     adaptive: bool = True
+    draft_retry_s: float = Field(1.0, gt=0)
+    draft_max_retry_s: float = Field(16.0, gt=0)
 
 
 def draft_seed(seed: int) -> int:

@@ -22,7 +22,8 @@ GRPC_SERVICER_FUNCTIONS = [
 
 
 def _deployment_options(cfg: AppConfig, replica: ReplicaConfig) -> dict:
-    return dict(ray_actor_options={"num_gpus": replica.num_gpus, "num_cpus": replica.num_cpus,
+    return dict(num_replicas=replica.num_replicas,
+                ray_actor_options={"num_gpus": replica.num_gpus, "num_cpus": replica.num_cpus,
                                    "resources": dict(replica.resources)},
                 max_ongoing_requests=cfg.max_ongoing_requests,
                 graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
@@ -30,11 +31,14 @@ def _deployment_options(cfg: AppConfig, replica: ReplicaConfig) -> dict:
 
 
 def build_app(cfg: AppConfig) -> Application:
-    """Draft and Target deployments; each gets only its own config (as a JSON-able dict: Serve ships it)."""
+    """Draft and Target deployments; each gets only its own config (as a JSON-able dict: Serve ships it). Target
+    replicas look for as many draft replicas as the draft's config asks for."""
     draft = DraftDeployment.options(**_deployment_options(cfg, cfg.draft.replica)).bind(
         cfg.draft.model_dump(mode="json"))
+    link = cfg.target.draft_link.model_copy(update={"replicas": cfg.draft.replica.num_replicas})
+    target = cfg.target.model_copy(update={"draft_link": link})
     return TargetDeployment.options(**_deployment_options(cfg, cfg.target.replica)).bind(
-        draft, cfg.target.model_dump(mode="json"))
+        draft, target.model_dump(mode="json"))
 
 
 def resolve_config_path(path: str) -> Path:

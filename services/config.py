@@ -19,9 +19,30 @@ class ReplicaConfig(BaseModel):
     runner starts Ray with logical GPUs so the same placement schedules. resources pins to nodes, e.g.
     {draft_slot: 1} with `ray start --resources='{"draft_slot": 1}'`."""
     model_config = ConfigDict(frozen=True, extra="forbid")
+    num_replicas: int = Field(1, ge=1)
     num_gpus: float = Field(1.0, ge=0)
     num_cpus: float = Field(1.0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict)
+
+
+class DraftLinkConfig(BaseModel):
+    """How a target replica reaches the draft replicas (services/target/draft_link.py).
+
+    step_timeout_s: longest wait for a draft replica's reply to one engine step; a replica silent longer is marked
+    failed and its sessions go on target-only (small: a tree that arrives after the target could have verified
+    alone is useless). probe_timeout_s: limit of one discovery call or health probe. refresh_s: how often the
+    replicas are rediscovered through Serve (at once after a failure). retry_s / max_retry_s: a failed replica is
+    probed again after retry_s, doubling up to max_retry_s; it takes sessions again once a probe answers SERVING.
+    replicas: how many draft replicas to look for (the app builder sets it from draft.replica.num_replicas).
+    startup_wait_s: how long a starting target replica waits for them to answer (it serves target-only meanwhile)."""
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    step_timeout_s: float = Field(1.0, gt=0)
+    probe_timeout_s: float = Field(2.0, gt=0)
+    refresh_s: float = Field(5.0, gt=0)
+    retry_s: float = Field(0.5, gt=0)
+    max_retry_s: float = Field(8.0, gt=0)
+    replicas: int = Field(1, ge=1)
+    startup_wait_s: float = Field(60.0, ge=0)
 
 
 class DraftServiceConfig(BaseModel):
@@ -42,4 +63,4 @@ class TargetServiceConfig(BaseModel):
     default_spec: SpecParams = SpecParams()  # what a request that names no method/shape/sizes gets
     scheduler: SchedulerConfig = SchedulerConfig()  # continuous batching: KV arena, running/waiting limits, chunking
     internal_timeout_s: float = Field(600.0, gt=0)  # deadline of a per-generation draft stream (per-request loop)
-    draft_step_timeout_s: float = Field(30.0, gt=0)  # longest wait for the draft's reply to one engine step
+    draft_link: DraftLinkConfig = DraftLinkConfig()  # finding, timing out and reconnecting draft replicas

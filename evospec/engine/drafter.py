@@ -55,10 +55,13 @@ class BatchDrafter(Protocol):
     """Where the batching scheduler's trees come from: every session of a target replica, stepped together.
     Keys are the scheduler's session keys; a per-session failure comes back as that session's exception."""
 
+    def available(self) -> bool:
+        """Whether `open` can be expected to succeed now (the scheduler resumes dropped drafts only then)."""
+
     def open(self, key: str, request: DraftRequest) -> None: ...
 
     def propose(self, requests: dict[str, TreeParams], prefills: dict[str, int]) -> dict[str, DraftTree | Exception]:
-        """Trees for `requests` (each clipped to the given shape); `prefills` = prompt tokens to cache meanwhile."""
+        """Trees for `requests` (each clipped to the given shape); `prefills` = context tokens to cache meanwhile."""
 
     def observe(self, steps: dict[str, tuple[VerifiedStep, SpecStats]]) -> None: ...
 
@@ -117,6 +120,9 @@ class LocalBatchDrafter:
 
     def kv_tokens(self, request: DraftRequest) -> int:
         return DraftEngine.cache_tokens(request.max_len, request.spec.tree)
+
+    def available(self) -> bool:
+        return True
 
     def open(self, key: str, request: DraftRequest) -> None:
         """Raises OverloadedError while the draft arena has no region large enough (the request waits)."""

@@ -11,6 +11,8 @@ One engine step:
 
 A draft that fails (an error, a broken stream, no reply within its deadline) never fails a generation: the request
 drops its draft and continues target-only from its committed state (`SpecStats.fallback_steps/fallback_reason`).
+After a backoff, and once the drafter says a draft is available again, it resumes speculation: a new draft session
+over everything committed so far, prefilled in chunks, then drafting as before (`SpecStats.draft_resumes`).
 
 Each request keeps its own method, tree, vocabulary sizes, sampling parameters, seed and stop rules; the per-request
 loop (`SpeculativeDecoder.generate`) is the reference its output is tested against (tests/unit/test_scheduler.py).
@@ -90,10 +92,19 @@ class _Request:
     output_ids: list[int] = field(default_factory=list)
     acceptance: Acceptance = field(default_factory=Acceptance)
     drafted: bool = False  # has a draft session
+    draft_lag: int = 0  # context tokens a resumed draft session must still prefill before it drafts
+    draft_failures: int = 0  # consecutive draft failures (the resume backoff's exponent)
+    draft_retry_at: float = 0.0  # time.monotonic() after which a dropped draft may be resumed
+    draft_retryable: bool = True  # False after an error a reconnect cannot fix (another static vocabulary)
 
     @property
     def speculative(self) -> bool:
         return self.spec.method != "ar"
+
+    @property
+    def drafting(self) -> bool:
+        """Gets trees this step (a resumed draft catching up on the context does not yet)."""
+        return self.drafted and self.draft_lag == 0
 
     @property
     def kind(self) -> tuple:
@@ -250,12 +261,14 @@ class Scheduler:
     def step(self) -> None:
         self._admit()
         self._drop_cancelled()
+        if self.drafter is not None:
+            self._resume_drafts()
         if not self._running:
             return
         prefills = self._plan_prefill()
         decoding = [r for r in self._running.values() if r.target.prefill_remaining == 0]
-        k = self._choose_depth([r for r in decoding if r.drafted], sum(prefills.values()))
-        draft_prefill = any(self._running[key].drafted for key in prefills)
+        k = self._choose_depth([r for r in decoding if r.drafting], sum(prefills.values()))
+        draft_prefill = any(self._running[key].drafted for key in prefills) or any(r.draft_lag for r in decoding)
         start = time.perf_counter()
         trees = self._draft(decoding, prefills, k)
         draft_seconds = time.perf_counter() - start
@@ -269,7 +282,7 @@ class Scheduler:
                     drafting[r.kind] = (sessions + 1, rows + width)
             self.budget.record_step(tokens, target_seconds, k if trees else 0, drafting,
                                     draft_seconds + feedback_seconds)
-            speculative = [r for r in decoding if r.drafted]
+            speculative = [r for r in decoding if r.drafting]
             if not prefills and speculative:
                 self.budget.record_goodput(frozenset(r.kind for r in speculative), len(speculative), bool(trees),
                                            committed, draft_seconds + target_seconds + feedback_seconds)
@@ -308,7 +321,7 @@ class Scheduler:
                         continue
                     return
                 except Exception as exc:  # noqa: BLE001 - no draft: the request runs target-only (lossless)
-                    request.stats.fallback_reason = fallback_reason(exc)
+                    self._note_draft_failure(request, exc)
                 else:
                     request.drafted = True
             request.target = self.decoder.target.open(request.prompt_ids, request.sampling, cache, request.seed)
@@ -326,6 +339,27 @@ class Scheduler:
                 self._release(request)
             elif request.deadline is not None and now > request.deadline:
                 self._fail(request, DeadlineExceeded(f"deadline exceeded after {len(request.output_ids)} tokens"))
+
+    def _resume_drafts(self) -> None:
+        """Generations whose draft failed get a new draft session once their backoff has passed and the drafter has
+        a draft available: over everything committed so far, prefilled in chunks (`draft_lag`) before it drafts."""
+        now = time.monotonic()
+        due = [r for r in self._running.values() if r.speculative and not r.drafted and r.draft_retryable
+               and r.target.prefill_remaining == 0 and now >= r.draft_retry_at]
+        if not due or not self.drafter.available():
+            return
+        for request in due:
+            context = request.prompt_ids + request.output_ids
+            try:
+                self.drafter.open(request.key, DraftRequest(context, request.sampling, request.spec, request.max_len,
+                                                            draft_seed(request.seed)))
+            except Exception as exc:  # noqa: BLE001 - still no draft: try again after a longer backoff
+                self._note_draft_failure(request, exc)
+                continue
+            request.drafted, request.draft_lag = True, len(context) - 1
+            request.stats.draft_resumes += 1
+            log.info("request %s resumes speculation (%d context tokens to catch up)", request.key[:8],
+                     request.draft_lag)
 
     def _plan_prefill(self) -> dict[str, int]:
         """Prompt tokens to prefill this step per request key: at most `prefill_chunk` in all, oldest first."""
@@ -345,8 +379,10 @@ class Scheduler:
         return self.budget.choose([(r.spec.tree, r.acceptance, r.kind) for r in speculative], prefill_tokens)
 
     def _draft(self, decoding: list[_Request], prefills: dict[str, int], k: int) -> dict[str, DraftTree]:
-        requests = {r.key: clip_depth(r.spec.tree, k) for r in decoding if r.drafted and k > 0}
+        requests = {r.key: clip_depth(r.spec.tree, k) for r in decoding if r.drafting and k > 0}
         draft_prefills = {key: n for key, n in prefills.items() if self._running[key].drafted}
+        catch_up = self._plan_catch_up(decoding, self.config.prefill_chunk - sum(draft_prefills.values()))
+        draft_prefills.update(catch_up)
         if not requests and not draft_prefills:
             return {}
         start = time.perf_counter()
@@ -363,7 +399,22 @@ class Scheduler:
             elif key in requests:
                 trees[key] = tree
                 self._running[key].stats.draft_seconds += seconds
+                self._running[key].draft_failures = 0
+        for key, n in catch_up.items():
+            request = self._running.get(key)
+            if request is not None and request.drafted:
+                request.draft_lag -= n
         return trees
+
+    @staticmethod
+    def _plan_catch_up(decoding: list[_Request], room: int) -> dict[str, int]:
+        """Context tokens each resumed draft session prefills this step: at most `room` in all, oldest first."""
+        plan = {}
+        for request in decoding:
+            if request.drafted and request.draft_lag and room > 0:
+                plan[request.key] = min(request.draft_lag, room)
+                room -= plan[request.key]
+        return plan
 
     def _verify(self, decoding: list[_Request], prefills: dict[str, int],
                 trees: dict[str, DraftTree]) -> tuple[int, float, float, int]:
@@ -395,7 +446,7 @@ class Scheduler:
                 request.acceptance.record(depth, accepted)
                 if self.budget is not None:
                     self.budget.record_acceptance(request.kind, depth, accepted)
-            if request.speculative and not request.drafted:
+            if request.speculative and not request.drafting:
                 stats.fallback_steps += 1
             tokens, finish = apply_stop_rules(verified.result.committed_tokens, len(request.output_ids),
                                               request.sampling, self.decoder.eos_ids)
@@ -448,13 +499,22 @@ class Scheduler:
         simply dropped). Its statistics count those steps and say why."""
         if not request.drafted:
             return
-        request.drafted = False
-        request.stats.fallback_reason = fallback_reason(error)
+        request.drafted, request.draft_lag = False, 0
+        self._note_draft_failure(request, error)
         log.warning("request %s continues without its draft: %s", request.key[:8], request.stats.fallback_reason)
         try:
             self.drafter.close(request.key)
         except Exception:  # noqa: BLE001 - closing is best effort
             pass
+
+    def _note_draft_failure(self, request: _Request, error: BaseException) -> None:
+        """Say why in the statistics, and when speculation may be resumed (exponential backoff; never after an
+        error a reconnect cannot fix)."""
+        request.stats.fallback_reason = fallback_reason(error)
+        request.draft_retryable = request.draft_retryable and getattr(error, "retryable", True)
+        delay = self.config.draft_retry_s * 2 ** request.draft_failures
+        request.draft_failures += 1
+        request.draft_retry_at = time.monotonic() + min(self.config.draft_max_retry_s, delay)
 
     def _fail(self, request: _Request, error: BaseException) -> None:
         self._release(request)

@@ -27,8 +27,9 @@ class SpecStats:
     verified_positions: int = 0
     buffer_updates: int = 0  # ids added to the dynamic buffer (evospec)
     buffer_update_seconds: float = 0.0
-    fallback_steps: int = 0  # steps run target-only after the draft failed (the scheduler's lossless fallback)
-    fallback_reason: str = ""  # why the draft was dropped, "" = it never was
+    fallback_steps: int = 0  # steps without a tree: the draft had failed or was catching up (lossless fallback)
+    fallback_reason: str = ""  # why the draft was last dropped, "" = it never was
+    draft_resumes: int = 0  # times speculation resumed on a (re)connected draft after a fallback
 
     def record_step(self, drafted: int, accepted: int) -> None:
         self.steps += 1

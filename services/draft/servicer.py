@@ -13,6 +13,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from evospec.errors import InvalidRequestError
 from evospec.services.common.convert import (
@@ -115,10 +116,14 @@ def session_to_proto(session_id: str, step: SessionStep) -> spec_pb.SessionDraft
 
 
 def start_draft_server(server: DraftServer, host: str, max_workers: int = 64) -> tuple[grpc.Server, int]:
-    """Plain gRPC server for the internal stream; port 0 = any free port. Returns (server, port)."""
+    """Plain gRPC server for the internal stream, with standard health (what target replicas probe before they send
+    sessions to this replica again); port 0 = any free port. Returns (server, port)."""
     grpc_server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="draft-stream"),
                               options=INTERNAL_CHANNEL_OPTIONS)
     spec_grpc.add_DraftServicer_to_server(DraftServicer(server), grpc_server)
+    health_servicer = health.HealthServicer()
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
     port = grpc_server.add_insecure_port(f"{host}:0")
     grpc_server.start()
     return grpc_server, port

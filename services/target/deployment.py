@@ -4,24 +4,51 @@ the RPCs of evospec.v1.Generate (and grpc.health.v1.Health/Check), so those name
 """
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 from ray import serve
 
 from evospec.services.common.metrics import ServiceMetrics
-from evospec.services.config import TargetServiceConfig
+from evospec.services.config import DraftLinkConfig, TargetServiceConfig
+from evospec.services.target.draft_link import DraftReplicas
 from evospec.services.target.grpc_api import GrpcFront
-from evospec.services.target.remote_draft import RemoteDraftPool
 from evospec.services.target.server import DraftSide, TargetServer
+
+log = logging.getLogger("ray.serve")
+
+
+def serve_discovery(draft, link: DraftLinkConfig) -> Callable[[], set[str]]:
+    """The Draft deployment's replica addresses, found through Serve: `address` calls on its handle (Serve routes
+    each to a live replica) until `link.replicas` distinct addresses answered or a few more calls found nothing
+    new. A replica that Serve restarted or replaced answers with its new address."""
+    def discover() -> set[str]:
+        found, error = set(), None
+        for _ in range(4 * link.replicas + 4):
+            try:
+                found.add(draft.address.remote().result(timeout_s=link.probe_timeout_s))
+            except Exception as exc:  # noqa: BLE001 - a replica starting, frozen or dying: ask again
+                error = exc
+            if len(found) >= link.replicas:
+                break
+        if not found and error is not None:
+            raise error
+        return found
+    return discover
 
 
 @serve.deployment(name="Target")
 class TargetDeployment:
     def __init__(self, draft, config: dict):
         cfg = TargetServiceConfig(**config)
-        self.pool = RemoteDraftPool(lambda: draft.address.remote(), cfg.internal_timeout_s)
+        self.pool = DraftReplicas(serve_discovery(draft, cfg.draft_link), cfg.draft_link)
         drafts = DraftSide(self.pool, model_name=lambda: draft.model.remote(),
                            num_sessions=lambda: draft.num_sessions.remote())
         self.server = TargetServer.from_config(cfg, drafts, ServiceMetrics())
         self.grpc = GrpcFront(self.server)
+        # Requests that arrive before a draft replica answers run target-only and resume speculation later.
+        if not self.pool.wait_healthy(cfg.draft_link.replicas, cfg.draft_link.startup_wait_s):
+            log.warning("target started with draft replicas %s", self.pool.describe())
 
     async def Generate(self, request, grpc_context=None):
         async for response in self.grpc.Generate(request, grpc_context):
@@ -37,6 +64,10 @@ class TargetDeployment:
         """grpc.health.v1.Health/Check, routed here by Serve's gRPC proxy."""
         from grpc_health.v1 import health_pb2
         return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+    def draft_replicas(self) -> list[dict]:
+        """The draft replicas this target replica knows, with their health (operators, tests)."""
+        return self.pool.describe()
 
     async def num_sessions(self) -> dict:
         """Live generations on both sides (for tests and operators)."""

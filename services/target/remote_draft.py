@@ -1,6 +1,6 @@
 """Target side of the internal protocol: `RemoteMuxDrafter`, the scheduler's drafts over one multiplexed stream per
-target replica (SpeculateBatch); `RemoteDrafter`, a per-request loop's draft over one stream per generation
-(Speculate); and the pool that finds the draft replica and holds the channel.
+draft replica (SpeculateBatch), spread over the healthy replicas that `DraftReplicas` (draft_link.py) finds; and
+`RemoteDrafter`, a per-request loop's draft over one stream per generation (Speculate).
 
 The target drives: it opens sessions with the prompt, sends each verified step's outcome (accepted path, bonus,
 target-fed buffer candidates) and gets trees back with the buffer slot changes the draft applied before drafting
@@ -12,7 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import grpc
 import torch
@@ -30,9 +30,9 @@ from evospec.services.common.convert import (
     start_to_proto,
     tree_from_proto,
 )
-from evospec.services.config import INTERNAL_CHANNEL_OPTIONS
 from evospec.services.protocol.v1 import speculation_pb2 as spec_pb
 from evospec.services.protocol.v1 import speculation_pb2_grpc as spec_grpc
+from evospec.services.target.draft_link import DraftReplica, DraftReplicas
 from evospec.tree import DraftTree
 from evospec.vocab.registry import ActiveLayout
 
@@ -63,14 +63,27 @@ class ActiveSetMirror:
 
 
 class DraftStreamError(EvoSpecError):
-    """The draft side of the stream failed; carries its gRPC status name (picklable, unlike grpc.RpcError)."""
+    """The draft side of the stream failed; carries its gRPC status name (picklable, unlike grpc.RpcError).
+    `retryable` is False for what a reconnect cannot fix (the draft refused the request, or uses another static
+    vocabulary): the scheduler then never resumes that generation's speculation."""
+
+    PERMANENT = frozenset({"INVALID_ARGUMENT", "FAILED_PRECONDITION", "UNIMPLEMENTED"})
 
     def __init__(self, message: str, code_name: str = "INTERNAL"):
         super().__init__(message)
         self.code_name = code_name
 
+    @property
+    def retryable(self) -> bool:
+        return self.code_name not in self.PERMANENT
+
     def __reduce__(self):
         return type(self), (str(self), self.code_name)
+
+
+def vocab_mismatch(draft_sha: str, target_sha: str) -> DraftStreamError:
+    return DraftStreamError(f"draft and target use different static vocabularies ({draft_sha} vs {target_sha})",
+                            "FAILED_PRECONDITION")
 
 
 class RemoteDrafter:
@@ -98,8 +111,7 @@ class RemoteDrafter:
             self._first = False
             if self.static_vocab_sha and msg.static_vocab_sha and msg.static_vocab_sha != self.static_vocab_sha:
                 self.close()
-                raise DraftStreamError(f"draft and target use different static vocabularies "
-                                       f"({msg.static_vocab_sha} vs {self.static_vocab_sha})")
+                raise vocab_mismatch(msg.static_vocab_sha, self.static_vocab_sha)
         self.mirror.apply(msg.buffer_changes)  # applied by the draft before it drafted this tree
         if self._stats is not None:
             self._stats.buffer_updates += sum(1 for c in msg.buffer_changes if c.token_id >= 0)
@@ -130,10 +142,9 @@ class RemoteDrafter:
 
 class _MuxStream:
     """One SpeculateBatch call: messages go out through a queue (sending never waits), replies come in on a reader
-    thread, and `receive` waits for the next one at most `timeout_s`."""
+    thread, and `receive` waits for the next one until a deadline."""
 
-    def __init__(self, stub: spec_grpc.DraftStub, timeout_s: float):
-        self.timeout_s = timeout_s
+    def __init__(self, stub: spec_grpc.DraftStub):
         self._out: queue.Queue = queue.Queue()
         self._in: queue.Queue = queue.Queue()
         self._call = stub.SpeculateBatch(iter(self._out.get, None))
@@ -152,11 +163,11 @@ class _MuxStream:
         self._out.put(msg)
         self.outstanding += 1
 
-    def receive(self) -> spec_pb.DraftStep:
+    def receive(self, deadline: float) -> spec_pb.DraftStep:
         try:
-            item = self._in.get(timeout=self.timeout_s)
+            item = self._in.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
-            raise DraftStreamError(f"draft: no reply within {self.timeout_s:g}s", "DEADLINE_EXCEEDED") from None
+            raise DraftStreamError("draft: no reply within the step deadline", "DEADLINE_EXCEEDED") from None
         if isinstance(item, Exception):
             raise item
         self.outstanding -= 1
@@ -167,43 +178,153 @@ class _MuxStream:
         self._call.cancel()
 
 
-class RemoteMuxDrafter:
-    """The batching scheduler's drafts over one multiplexed stream per target replica (SpeculateBatch): per engine
-    step one TargetStep (every session's opens, outcomes and closes, and the trees wanted at the chosen depth) and
-    one DraftStep back with every tree, drafted on the replica with one packed forward per tree level.
-    Outcomes of a step are sent at its end (`flush`) without waiting, and read back with the next step's trees."""
+class _Link:
+    """The multiplexed stream to one draft replica, the sessions it holds and the ops queued for it."""
 
-    def __init__(self, pool: "RemoteDraftPool", layout_of: Callable[[SpecParams], ActiveLayout], vocab_size: int,
-                 static_vocab_sha: str, step_timeout_s: float = 30.0):
-        self.pool, self.layout_of = pool, layout_of
+    def __init__(self, replica: DraftReplica):
+        self.replica = replica
+        self.stream = _MuxStream(replica.stub)
+        self.sessions: set[str] = set()
+        self.ops: list[spec_pb.SessionOp] = []
+
+    def take_ops(self) -> list[spec_pb.SessionOp]:
+        ops, self.ops = self.ops, []
+        return ops
+
+
+class RemoteMuxDrafter:
+    """The batching scheduler's drafts over one multiplexed stream per draft replica (SpeculateBatch): per engine
+    step one TargetStep per replica (its sessions' opens, outcomes and closes, and the trees wanted at the chosen
+    depth) and one DraftStep back with its trees, drafted with one packed forward per tree level. Replicas draft in
+    parallel; a new session goes to the healthy replica holding the fewest.
+
+    A replica that breaks its stream, or whose reply misses the step deadline, is marked failed (DraftReplicas probes
+    it before it takes sessions again) and only its sessions get an error: the scheduler runs them target-only and
+    later resumes them on a healthy replica. Outcomes of a step are sent at its end (`flush`) without waiting, and
+    read back with the next step's trees."""
+
+    def __init__(self, replicas: DraftReplicas, layout_of: Callable[[SpecParams], ActiveLayout], vocab_size: int,
+                 static_vocab_sha: str, step_timeout_s: float = 1.0):
+        self.replicas, self.layout_of = replicas, layout_of
         self.vocab_size, self.static_vocab_sha = vocab_size, static_vocab_sha
-        self.step_timeout_s = step_timeout_s  # a draft silent for longer fails its sessions (the others go on)
+        self.step_timeout_s = step_timeout_s
         self.mirrors: dict[str, ActiveSetMirror] = {}
         self._wants_candidates: dict[str, bool] = {}
         self._stats: dict[str, SpecStats] = {}
         self._feedback_seconds: dict[str, float] = {}
-        self._ops: list[spec_pb.SessionOp] = []
         self._errors: dict[str, Exception] = {}  # sessions that failed in a reply no step has collected yet
         self._drafted: set[str] = set()
-        self._stream: _MuxStream | None = None
+        self._links: dict[str, _Link] = {}  # replica address -> live stream
+        self._home: dict[str, _Link] = {}  # session key -> the link holding it
+
+    def available(self) -> bool:
+        """Whether a new session could be opened now (some replica is healthy)."""
+        return bool(self.replicas.healthy())
 
     def open(self, key: str, request: DraftRequest) -> None:
+        healthy = self.replicas.healthy()
+        if not healthy:
+            raise DraftStreamError("draft: no draft replica is reachable", "UNAVAILABLE")
+        replica = min(healthy, key=lambda r: len(self._links[r.address].sessions) if r.address in self._links else 0)
+        link = self._links.get(replica.address)
+        if link is None:
+            link = self._links[replica.address] = _Link(replica)
         layout = self.layout_of(request.spec)
         self.mirrors[key] = ActiveSetMirror(layout.static_ids, layout.dynamic_size, self.vocab_size)
         self._wants_candidates[key] = layout.target_feedback
         self._feedback_seconds[key] = 0.0
-        self._ops.append(session_op_to_proto(key, "start", request))
+        self._home[key] = link
+        link.sessions.add(key)
+        link.ops.append(session_op_to_proto(key, "start", request))
 
     def propose(self, requests: dict[str, TreeParams], prefills: dict[str, int]) -> dict[str, DraftTree | Exception]:
-        work = [spec_pb.DraftWork(session_id=k, depth=tree_depth(p), prefill_tokens=prefills.get(k, 0))
-                for k, p in requests.items()]
-        work += [spec_pb.DraftWork(session_id=k, prefill_tokens=n) for k, n in prefills.items() if k not in requests]
         self._drafted = set(requests)
         out: dict[str, DraftTree | Exception] = {}
-        try:
-            reply = self._exchange(spec_pb.TargetStep(ops=self._take_ops(), work=work))
-        except DraftStreamError as exc:
-            return {key: exc for key in self.mirrors}  # the stream is gone, and every session on it
+        for key in [*requests, *prefills]:
+            if key not in self._home:  # defensive: a session whose replica failed is never asked for work
+                out[key] = DraftStreamError("draft: session lost with its replica", "UNAVAILABLE")
+        requests = {k: v for k, v in requests.items() if k in self._home}
+        prefills = {k: v for k, v in prefills.items() if k in self._home}
+        work: dict[_Link, list[spec_pb.DraftWork]] = {}
+        for key, params in requests.items():
+            work.setdefault(self._home[key], []).append(
+                spec_pb.DraftWork(session_id=key, depth=tree_depth(params), prefill_tokens=prefills.get(key, 0)))
+        for key, n in prefills.items():
+            if key not in requests:
+                work.setdefault(self._home[key], []).append(spec_pb.DraftWork(session_id=key, prefill_tokens=n))
+        sent = [link for link in self._links.values() if link in work or link.ops]
+        for link in sent:  # every replica drafts at the same time
+            link.stream.send(spec_pb.TargetStep(ops=link.take_ops(), work=work.get(link, [])))
+        deadline = time.monotonic() + self.step_timeout_s
+        for link in sent:
+            try:
+                reply = self._read_owed(link, deadline)
+            except DraftStreamError as exc:
+                self._fail_link(link, exc)
+                continue
+            self._collect_trees(reply, requests, out)
+        out.update(self._errors)
+        self._errors = {}
+        return out
+
+    def observe(self, steps: dict[str, tuple[VerifiedStep, SpecStats]]) -> None:
+        for key, (verified, stats) in steps.items():
+            if key not in self._home:
+                continue  # its replica failed meanwhile; the scheduler drops its draft with the next propose
+            self._stats[key] = stats
+            candidates = {}
+            if self.mirrors[key].restricted and key in self._drafted:
+                start = time.perf_counter()
+                candidates = feedback_for(verified, self.mirrors[key].mask, self._wants_candidates[key],
+                                          stats).candidates
+                self._feedback_seconds[key] += time.perf_counter() - start
+            self._home[key].ops.append(session_op_to_proto(key, "outcome", result=verified.result,
+                                                           candidates=candidates))
+
+    def flush(self) -> None:
+        """Send the step's outcomes and closes now (the replicas commit them while the target goes on). Stream
+        errors surface at the next exchange."""
+        self._drafted = set()
+        for link in self._links.values():
+            if link.ops:
+                link.stream.send(spec_pb.TargetStep(ops=link.take_ops()))
+
+    def close(self, key: str) -> None:
+        self.mirrors.pop(key, None)
+        link = self._home.pop(key, None)
+        if link is not None:
+            link.sessions.discard(key)
+            link.ops.append(session_op_to_proto(key, "close"))
+        for table in (self._wants_candidates, self._stats, self._feedback_seconds, self._errors):
+            table.pop(key, None)
+
+    def shutdown(self) -> None:
+        for link in self._links.values():
+            link.stream.close()
+        self._links.clear()
+
+    def _read_owed(self, link: _Link, deadline: float) -> spec_pb.DraftStep:
+        """Every reply still owed by `link` (earlier flushes: their buffer changes and errors are applied in order);
+        returns the last, the reply to this step."""
+        while True:
+            reply = link.stream.receive(deadline)
+            self._apply(reply)
+            if link.stream.outstanding == 0:
+                return reply
+
+    def _fail_link(self, link: _Link, error: DraftStreamError) -> None:
+        """Drop the replica's stream; each of its sessions gets `error` (the scheduler runs them target-only)."""
+        link.stream.close()
+        self._links.pop(link.replica.address, None)
+        if error.retryable:
+            self.replicas.mark_failed(link.replica, str(error))
+        for key in link.sessions:
+            self._home.pop(key, None)
+            self._errors[key] = error
+        link.sessions.clear()
+
+    def _collect_trees(self, reply: spec_pb.DraftStep, requests: dict[str, TreeParams],
+                       out: dict[str, DraftTree | Exception]) -> None:
         for session in reply.sessions:
             key = session.session_id
             if session.has_tree and key in requests and key in self.mirrors:
@@ -213,67 +334,10 @@ class RemoteMuxDrafter:
                         session.reply, mirror.row_ids.clone() if session.reply.draft_probs else None), requests[key])
                 except ValueError as exc:  # a malformed tree fails its session, never the batch
                     out[key] = DraftStreamError(f"draft: {exc}", "INTERNAL")
-        out.update(self._errors)
-        self._errors = {}
-        return out
-
-    def observe(self, steps: dict[str, tuple[VerifiedStep, SpecStats]]) -> None:
-        for key, (verified, stats) in steps.items():
-            self._stats[key] = stats
-            candidates = {}
-            if self.mirrors[key].restricted and key in self._drafted:
-                start = time.perf_counter()
-                candidates = feedback_for(verified, self.mirrors[key].mask, self._wants_candidates[key],
-                                          stats).candidates
-                self._feedback_seconds[key] += time.perf_counter() - start
-            self._ops.append(session_op_to_proto(key, "outcome", result=verified.result, candidates=candidates))
-
-    def flush(self) -> None:
-        """Send the step's outcomes and closes now (the replica commits them while the target goes on). Stream
-        errors surface at the next exchange."""
-        self._drafted = set()
-        if self._ops:
-            self._connected().send(spec_pb.TargetStep(ops=self._take_ops()))
-
-    def close(self, key: str) -> None:
-        if self.mirrors.pop(key, None) is not None:
-            self._ops.append(session_op_to_proto(key, "close"))
-        for table in (self._wants_candidates, self._stats, self._feedback_seconds, self._errors):
-            table.pop(key, None)
-
-    def shutdown(self) -> None:
-        if self._stream is not None:
-            self._stream.close()
-            self._stream = None
-
-    def _take_ops(self) -> list[spec_pb.SessionOp]:
-        ops, self._ops = self._ops, []
-        return ops
-
-    def _connected(self) -> _MuxStream:
-        if self._stream is None:
-            self._stream = _MuxStream(self.pool.stub, self.step_timeout_s)
-        return self._stream
-
-    def _exchange(self, msg: spec_pb.TargetStep) -> spec_pb.DraftStep:
-        """Send, then read every reply still owed (earlier flushes: their buffer changes and errors are applied in
-        order); returns the reply to `msg`. A broken stream is dropped, so the next step opens a new one."""
-        stream = self._connected()
-        try:
-            stream.send(msg)
-            while True:
-                reply = stream.receive()
-                self._apply(reply)
-                if stream.outstanding == 0:
-                    return reply
-        except DraftStreamError:
-            self.shutdown()
-            raise
 
     def _apply(self, reply: spec_pb.DraftStep) -> None:
         if self.static_vocab_sha and reply.static_vocab_sha and reply.static_vocab_sha != self.static_vocab_sha:
-            raise DraftStreamError(f"draft and target use different static vocabularies "
-                                   f"({reply.static_vocab_sha} vs {self.static_vocab_sha})")
+            raise vocab_mismatch(reply.static_vocab_sha, self.static_vocab_sha)
         for session in reply.sessions:
             key = session.session_id
             if key not in self.mirrors:
@@ -301,38 +365,12 @@ def checked_tree(tree: DraftTree, params: TreeParams) -> DraftTree:
     return tree
 
 
-class RemoteDraftPool:
-    """Where the target's speculative generations get their drafters: today one draft replica, found once through
-    `address` (an async callable, e.g. a Serve handle call), reached over one shared gRPC channel."""
-
-    def __init__(self, address: Callable[[], Awaitable[str]], timeout_s: float):
-        self._address = address
-        self.timeout_s = timeout_s
-        self._channel: grpc.Channel | None = None
-        self._stub: spec_grpc.DraftStub | None = None
-
-    @property
-    def stub(self) -> spec_grpc.DraftStub:
-        if self._stub is None:
-            raise RuntimeError("RemoteDraftPool used before connect()")
-        return self._stub
-
-    async def connect(self) -> None:
-        if self._channel is None:
-            self._channel = grpc.insecure_channel(await self._address(), options=INTERNAL_CHANNEL_OPTIONS)
-            self._stub = spec_grpc.DraftStub(self._channel)
-
-    def open(self, session_id: str, request: DraftRequest, layout: ActiveLayout, vocab_size: int,
-             static_vocab_sha: str) -> RemoteDrafter:
-        """Open a session's stream (blocking: called from the generation's worker thread, after `connect`); the
-        draft must use the static artifact `static_vocab_sha` names."""
-        if self._stub is None:
-            raise RuntimeError("RemoteDraftPool.open before connect()")
-        mirror = ActiveSetMirror(layout.static_ids, layout.dynamic_size, vocab_size)
-        return RemoteDrafter(self._stub, session_id, request, mirror, layout.target_feedback, static_vocab_sha,
-                             self.timeout_s)
-
-    def close(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
+def open_remote_drafter(replicas: DraftReplicas, session_id: str, request: DraftRequest, layout: ActiveLayout,
+                        vocab_size: int, static_vocab_sha: str, timeout_s: float) -> RemoteDrafter:
+    """A per-generation stream (the per-request loop) on the first healthy draft replica."""
+    healthy = replicas.healthy()
+    if not healthy:
+        raise DraftStreamError("draft: no draft replica is reachable", "UNAVAILABLE")
+    mirror = ActiveSetMirror(layout.static_ids, layout.dynamic_size, vocab_size)
+    return RemoteDrafter(healthy[0].stub, session_id, request, mirror, layout.target_feedback, static_vocab_sha,
+                         timeout_s)

@@ -18,16 +18,15 @@ from pathlib import Path
 from typing import Protocol
 
 from evospec.config import METHODS, SamplingParams, SpecParams
-from evospec.engine.drafter import DraftRequest
 from evospec.engine.generate import SpeculativeDecoder
 from evospec.engine.scheduler import Failed, Finished, Scheduler, TokensOut
 from evospec.engine.stats import SpecStats
 from evospec.errors import InvalidRequestError
 from evospec.loading import apply_torch_threads, load_model, load_static_ids, stop_token_ids
 from evospec.services.config import TargetServiceConfig
+from evospec.services.target.draft_link import DraftReplicas
 from evospec.services.target.remote_draft import RemoteMuxDrafter
 from evospec.tokenizer import chat_prompt_ids, load_tokenizer
-from evospec.vocab.registry import ActiveLayout
 
 CHAT_ROLES = ("system", "user", "assistant")
 
@@ -87,15 +86,6 @@ class ServerInfo:
     device: str
 
 
-class DraftPool(Protocol):
-    """Where speculative generations get their drafters (services/target/remote_draft.py: RemoteDraftPool)."""
-
-    async def connect(self) -> None: ...
-
-    def open(self, session_id: str, request: DraftRequest, layout: ActiveLayout, vocab_size: int,
-             static_vocab_sha: str): ...
-
-
 class MetricsSink(Protocol):
     def record(self, stats: SpecStats, method: str, ttft_s: float, e2e_s: float, finish_reason: str,
                dynamic_size: int = 0) -> None: ...
@@ -103,8 +93,8 @@ class MetricsSink(Protocol):
 
 @dataclass
 class DraftSide:
-    """The draft as the target sees it: a pool for the data plane, and control-plane queries (Serve handles)."""
-    pool: DraftPool
+    """The draft as the target sees it: its replicas for the data plane, and control-plane queries (Serve handles)."""
+    pool: DraftReplicas
     model_name: Callable[[], Awaitable[str]]
     num_sessions: Callable[[], Awaitable[int]]
 
@@ -130,7 +120,7 @@ class TargetServer:
         decoder = SpeculativeDecoder(model, None, static_ids=static_ids, max_model_len=cfg.max_model_len,
                                      eos_ids=stop_token_ids(folder))
         drafter = RemoteMuxDrafter(drafts.pool, decoder.policies.layout, decoder.target.vocab_size, sha,
-                                   cfg.draft_step_timeout_s)
+                                   cfg.draft_link.step_timeout_s)
         scheduler = Scheduler(decoder, cfg.scheduler, drafter).start()
         return cls(decoder, load_tokenizer(str(folder)), drafts, scheduler, cfg.default_spec, sha, str(Path(folder)),
                    metrics)
@@ -183,8 +173,6 @@ class TargetServer:
         handle = None
         try:
             prompt_ids = self.prompt_ids(request.prompt)
-            if request.spec.method != "ar":
-                await self.drafts.pool.connect()
             loop = asyncio.get_running_loop()
             events: asyncio.Queue = asyncio.Queue()  # bounded by max_tokens: every event but the last has tokens
             handle = self.scheduler.submit(prompt_ids, request.sampling, request.spec,

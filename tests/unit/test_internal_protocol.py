@@ -2,7 +2,12 @@
 identical to the in-process one (greedy and seeded sampling), including EvoSpec buffer updates and misses; and the
 transport-free TargetServer streams the same tokens and statistics as typed events."""
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,10 +15,12 @@ import torch
 from evospec.config import SamplingParams, SchedulerConfig, SpecParams, TreeParams
 from evospec.engine.draft import DraftEngine
 from evospec.engine.generate import SpeculativeDecoder
-from evospec.engine.scheduler import Scheduler
+from evospec.engine.scheduler import Finished, Scheduler, TokensOut
+from evospec.services.config import DraftLinkConfig
 from evospec.services.draft.server import DraftServer
 from evospec.services.draft.servicer import start_draft_server
-from evospec.services.target.remote_draft import DraftStreamError, RemoteDraftPool, RemoteMuxDrafter
+from evospec.services.target.draft_link import DraftReplicas
+from evospec.services.target.remote_draft import DraftStreamError, RemoteMuxDrafter, open_remote_drafter
 from evospec.services.target.server import DraftSide, FinishedEvent, GenerateRequest, Prompt, TargetServer
 from evospec.testing import RandomDepth, random_pair
 from evospec.vocab.registry import VocabPolicies
@@ -24,11 +31,10 @@ COUNTED = ("steps", "drafted", "accepted", "accepted_per_pos", "generated_tokens
            "buffer_updates")
 
 
-def pool_for(address: str) -> RemoteDraftPool:
-    async def resolve() -> str:
-        return address
-    pool = RemoteDraftPool(resolve, timeout_s=30)
-    asyncio.run(pool.connect())
+def pool_for(*addresses: str) -> DraftReplicas:
+    """Draft replicas at fixed addresses (the service discovers them through Serve), probed healthy."""
+    pool = DraftReplicas(lambda: addresses, DraftLinkConfig(step_timeout_s=5, retry_s=0.1, refresh_s=0.5))
+    assert pool.wait_healthy(len(addresses), timeout_s=10)
     return pool
 
 
@@ -45,8 +51,9 @@ def setup():
     grpc_server.stop(grace=None)
 
 
-def remote_factory(pool: RemoteDraftPool, decoder: SpeculativeDecoder, session_id: str = "req-1", sha: str = "sha"):
-    return lambda request: pool.open(session_id, request, decoder.policies.layout(request.spec), VOCAB, sha)
+def remote_factory(pool: DraftReplicas, decoder: SpeculativeDecoder, session_id: str = "req-1", sha: str = "sha"):
+    return lambda request: open_remote_drafter(pool, session_id, request, decoder.policies.layout(request.spec), VOCAB,
+                                               sha, timeout_s=30)
 
 
 def wait_closed(draft_server: DraftServer) -> None:
@@ -109,10 +116,10 @@ async def collect(server: TargetServer, request: GenerateRequest) -> tuple[list[
     return tokens, last
 
 
-def make_server(decoder: SpeculativeDecoder, pool: RemoteDraftPool, budget=None) -> TargetServer:
+def make_server(decoder: SpeculativeDecoder, pool: DraftReplicas, budget=None) -> TargetServer:
     async def nothing() -> int:
         return 0
-    drafter = RemoteMuxDrafter(pool, decoder.policies.layout, VOCAB, "sha")
+    drafter = RemoteMuxDrafter(pool, decoder.policies.layout, VOCAB, "sha", step_timeout_s=pool.link.step_timeout_s)
     scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, adaptive=False), drafter, budget=budget).start()
     return TargetServer(decoder, IdsTokenizer(), DraftSide(pool, model_name=nothing, num_sessions=nothing), scheduler)
 
@@ -195,38 +202,164 @@ def test_draft_stream_failures_fall_back_to_target_only(setup):
     wait_closed(draft_server)
 
 
-def test_generations_survive_the_draft_replica_dying():
-    """The draft's gRPC server stops mid-generation: every stream completes target-only from its committed state,
-    greedy-identical to target-only decoding."""
+def make_scheduler(decoder: SpeculativeDecoder, pool: DraftReplicas, **config) -> Scheduler:
+    drafter = RemoteMuxDrafter(pool, decoder.policies.layout, VOCAB, "sha", step_timeout_s=pool.link.step_timeout_s)
+    config = {"kv_tokens": 16384, "adaptive": False, "draft_retry_s": 0.05, "draft_max_retry_s": 0.5, **config}
+    return Scheduler(decoder, SchedulerConfig(**config), drafter).start()
+
+
+class TimedSink:
+    """Collects a request's tokens with their arrival times; `pace_s` slows the scheduler down (it calls sinks on
+    its thread) so that generations outlast the failures the tests inject."""
+
+    def __init__(self, pace_s: float = 0.0):
+        self.tokens, self.times, self.end, self.pace_s = [], [], None, pace_s
+
+    def __call__(self, event):
+        if isinstance(event, TokensOut):
+            self.tokens += event.token_ids
+            self.times.append(time.monotonic())
+            time.sleep(self.pace_s)
+        else:
+            self.end = event
+
+    def longest_gap(self) -> float:
+        return max((b - a for a, b in zip(self.times, self.times[1:])), default=0.0)
+
+
+def wait_for(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+def ar_tokens(local: SpeculativeDecoder, prompt: list[int], max_tokens: int) -> list[int]:
+    gen = local.generate(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), SpecParams(method="ar"))
+    list(gen)
+    return gen.output_ids
+
+
+def spec_for(method: str) -> SpecParams:
+    return SpecParams(method=method, vocab={"static_size": 32, "dynamic_size": 8})
+
+
+def test_two_draft_replicas_one_dies_the_others_sessions_are_untouched():
+    """Sessions spread over two draft replicas by load. One replica's server stops mid-generation: its sessions go
+    on target-only and resume on the surviving replica; the survivor's sessions never notice (statistics identical
+    to an in-process run); every output is greedy-identical to target-only decoding."""
     target, draft = random_pair(vocab=VOCAB, seed=9, eos=1)
     local = SpeculativeDecoder(target, draft, static_ids=STATIC)
-    draft_server = DraftServer(DraftEngine(draft), VocabPolicies(draft.head_weight, STATIC), "sha")
-    grpc_server, port = start_draft_server(draft_server, "127.0.0.1")
-    pool = pool_for(f"127.0.0.1:{port}")
-    server = make_server(SpeculativeDecoder(target, None, static_ids=STATIC), pool)
-    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
-    methods = ["sd", "frspec", "evospec", "ar"]
-
-    async def run():
-        async def one(i):
-            tokens = []
-            async for event in server.generate(GenerateRequest(
-                    Prompt(token_ids=[4 + i, 50]), sampling,
-                    SpecParams(method=methods[i], vocab={"static_size": 32, "dynamic_size": 8}))):
-                if isinstance(event, FinishedEvent):
-                    return tokens, event
-                tokens += event.token_ids
-                if len(tokens) >= 8 and i == 0:
-                    grpc_server.stop(grace=None)  # the draft replica dies while all four stream
-        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(4))), 60)
-
-    results = asyncio.run(run())
-    server.close()
+    draft_servers = [DraftServer(DraftEngine(draft), VocabPolicies(draft.head_weight, STATIC), "sha") for _ in "ab"]
+    started = [start_draft_server(s, "127.0.0.1") for s in draft_servers]
+    pool = pool_for(*(f"127.0.0.1:{port}" for _, port in started))
+    scheduler = make_scheduler(SpeculativeDecoder(target, None, static_ids=STATIC), pool)
+    methods = ["sd", "frspec", "evospec", "ar"] * 2
+    sinks = [TimedSink(pace_s=0.002) for _ in methods]
+    sampling = SamplingParams(max_tokens=120, ignore_eos=True)
+    handles = [scheduler.submit([4 + i, 50], sampling, spec_for(m), sink)
+               for i, (m, sink) in enumerate(zip(methods, sinks))]
+    assert wait_for(lambda: all(len(s.tokens) >= 8 for s in sinks), 30)
+    held = [s.num_sessions() for s in draft_servers]
+    started[0][0].stop(grace=None)  # replica a dies while all eight stream
+    assert wait_for(lambda: all(s.end is not None for s in sinks), 60)
+    scheduler.stop()
     pool.close()
-    for i, (tokens, finished) in enumerate(results):
-        expected = local.generate([4 + i, 50], sampling, SpecParams(method="ar"))
-        list(expected)
-        assert tokens == expected.output_ids
-        assert finished.finish_reason == "length"
-        if methods[i] != "ar":
-            assert finished.stats["fallback_steps"] > 0 and finished.stats["fallback_reason"]
+    started[1][0].stop(grace=None)
+    assert held == [3, 3]  # six speculative sessions, spread by load
+    untouched = 0
+    for i, (method, sink, handle) in enumerate(zip(methods, sinks, handles)):
+        assert isinstance(sink.end, Finished), sink.end
+        assert sink.tokens == ar_tokens(local, [4 + i, 50], 120)
+        stats = handle.stats
+        if method == "ar":
+            continue
+        if stats.fallback_steps == 0:
+            untouched += 1
+            expected = local.generate([4 + i, 50], sampling, spec_for(method))
+            list(expected)
+            for key in COUNTED:
+                assert getattr(stats, key) == getattr(expected.stats, key), key
+        else:
+            assert stats.draft_resumes >= 1, stats  # moved to the surviving replica
+    assert untouched == 3
+
+
+def test_a_frozen_draft_replica_stalls_nothing_and_speculation_comes_back():
+    """The draft process is frozen (SIGSTOP) for 3 s, longer than the step deadline: the streams keep producing
+    tokens (no gap near the freeze's length), and once it is thawed, speculation resumes in the same generations.
+    Outputs stay greedy-identical to target-only decoding."""
+    script = str(Path(__file__).with_name("draft_process.py"))
+    proc = subprocess.Popen([sys.executable, script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        target, draft = random_pair(vocab=VOCAB, seed=9, eos=1)
+        local = SpeculativeDecoder(target, draft, static_ids=STATIC)
+        pool = DraftReplicas(lambda: [f"127.0.0.1:{port}"],
+                             DraftLinkConfig(step_timeout_s=0.5, retry_s=0.1, max_retry_s=0.5, probe_timeout_s=0.3))
+        assert pool.wait_healthy(1, timeout_s=30)
+        scheduler = make_scheduler(SpeculativeDecoder(target, None, static_ids=STATIC), pool)
+        methods = ["sd", "frspec", "evospec", "ar"]
+        sinks = [TimedSink(pace_s=0.005) for _ in methods]
+        handles = [scheduler.submit([4 + i, 50], SamplingParams(max_tokens=1000, ignore_eos=True), spec_for(m), sink)
+                   for i, (m, sink) in enumerate(zip(methods, sinks))]
+        assert wait_for(lambda: all(len(s.tokens) >= 8 for s in sinks), 30)
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(3.0)
+        os.kill(proc.pid, signal.SIGCONT)
+        resumed = wait_for(lambda: all(h.stats.draft_resumes and h.stats.drafted > h.stats.fallback_steps
+                                       for h in handles[:3]), 30)
+        for handle in handles:
+            handle.cancel()
+        assert wait_for(lambda: scheduler.num_running() == 0, 10)
+        scheduler.stop()
+        pool.close()
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.stdin.close()
+        proc.wait(timeout=10)
+    assert resumed, [h.stats for h in handles]
+    for i, sink in enumerate(sinks):
+        assert sink.tokens == ar_tokens(local, [4 + i, 50], len(sink.tokens))
+        assert sink.longest_gap() < 2.0, (methods[i], sink.longest_gap())
+    for handle in handles[:3]:
+        assert handle.stats.fallback_steps > 0 and handle.stats.fallback_reason
+
+
+def test_a_draft_replica_restarted_at_a_new_address_is_found_and_used():
+    """The draft replica is replaced (the old address refuses, a new one appears, as when Serve restarts it):
+    discovery finds the new one, and running generations as well as new requests speculate on it again."""
+    target, draft = random_pair(vocab=VOCAB, seed=9, eos=1)
+    local = SpeculativeDecoder(target, draft, static_ids=STATIC)
+    addresses: list[str] = []
+
+    def new_replica():
+        server = DraftServer(DraftEngine(draft), VocabPolicies(draft.head_weight, STATIC), "sha")
+        grpc_server, port = start_draft_server(server, "127.0.0.1")
+        addresses[:] = [f"127.0.0.1:{port}"]
+        return grpc_server
+    first = new_replica()
+    pool = DraftReplicas(lambda: list(addresses), DraftLinkConfig(step_timeout_s=2, retry_s=0.1, refresh_s=0.5))
+    assert pool.wait_healthy(1, timeout_s=10)
+    scheduler = make_scheduler(SpeculativeDecoder(target, None, static_ids=STATIC), pool)
+    sinks = [TimedSink(pace_s=0.003) for _ in range(2)]
+    handles = [scheduler.submit([4 + i, 50], SamplingParams(max_tokens=1000, ignore_eos=True), spec_for("evospec"),
+                                sink) for i, sink in enumerate(sinks)]
+    assert wait_for(lambda: all(len(s.tokens) >= 8 for s in sinks), 30)
+    first.stop(grace=None)
+    second = new_replica()
+    try:
+        assert wait_for(lambda: all(h.stats.draft_resumes for h in handles), 30), [h.stats for h in handles]
+        fresh = TimedSink()
+        late = scheduler.submit([9, 50], SamplingParams(max_tokens=16, ignore_eos=True), spec_for("frspec"), fresh)
+        assert wait_for(lambda: fresh.end is not None, 30)
+        for handle in handles:
+            handle.cancel()
+        assert wait_for(lambda: scheduler.num_running() == 0, 10)
+    finally:
+        scheduler.stop()
+        pool.close()
+        second.stop(grace=None)
+    assert late.stats.fallback_steps == 0 and late.stats.drafted > 0
+    for i, sink in enumerate(sinks):
+        assert sink.tokens == ar_tokens(local, [4 + i, 50], len(sink.tokens))

@@ -10,7 +10,7 @@ from evospec.config import SamplingParams, SchedulerConfig, SpecParams, TreePara
 from evospec.engine.budget import OnlineCost, SpeculationBudget, TokenCostTable
 from evospec.engine.generate import SpeculativeDecoder
 from evospec.engine.scheduler import DeadlineExceeded, Failed, Finished, Scheduler, TokensOut
-from evospec.errors import InvalidRequestError, OverloadedError
+from evospec.errors import EvoSpecError, InvalidRequestError, OverloadedError
 from evospec.kernels.tree import chain_then_tree_mask, chain_then_tree_positions
 from evospec.model import KVArena, Segment
 from evospec.testing import RandomDepth, chi_square_p, exact_two_token_joint, random_pair
@@ -356,7 +356,7 @@ class FailingDrafter:
 def test_a_failing_draft_never_breaks_a_stream(decoder):
     """Lossless fallback: every generation completes from its committed state target-only, greedy output equal to
     the target's, and its statistics count the steps without the draft and say why."""
-    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, adaptive=False))
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, adaptive=False, draft_retry_s=1e6))
     scheduler.drafter = FailingDrafter(scheduler.drafter, fail_at=4)
     sampling = SamplingParams(max_tokens=30, ignore_eos=True)
     sinks = [Collector() for _ in range(4)]
@@ -375,3 +375,123 @@ def test_a_failing_draft_never_breaks_a_stream(decoder):
             assert stats.fallback_steps == 0 and stats.fallback_reason == ""
     assert not scheduler.drafter.inner.sessions
     assert scheduler.arena.free_tokens == scheduler.arena.capacity
+
+
+class FlakyDrafter:
+    """Wraps the in-process batch drafter; each session's tree fails with probability `p` (seeded), and the drafter
+    reports itself unavailable for `down` proposes after each failure: drafts drop and resume all the time."""
+
+    def __init__(self, inner, p: float, seed: int, down: int = 1, scheduler=None):
+        self.inner, self.p, self.rng, self.down = inner, p, random.Random(seed), down
+        self.scheduler = scheduler
+        self.unavailable = 0
+        self.opened: list[tuple[str, list[int]]] = []  # (key, context) of every open
+        self.trees_after_resume = 0
+        self.errors: list[str] = []  # broken invariants (the scheduler would turn a raise into a fallback)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def available(self) -> bool:
+        self.unavailable = max(0, self.unavailable - 1)
+        return self.unavailable == 0
+
+    def open(self, key, request):
+        self.opened.append((key, list(request.prompt_ids)))
+        self.inner.open(key, request)
+
+    def propose(self, requests, prefills):
+        for key in requests if self.scheduler is not None else ():
+            request = self.scheduler._running[key]
+            if self.inner.sessions[key].tokens != request.prompt_ids + request.output_ids:
+                self.errors.append(f"draft session {key[:8]} is not on the committed context")
+        try:
+            out = self.inner.propose(requests, prefills)
+        except Exception as exc:
+            self.errors.append(repr(exc))
+            raise
+        for key in requests:
+            if sum(k == key for k, _ in self.opened) > 1:
+                self.trees_after_resume += 1
+            if self.rng.random() < self.p:
+                out[key] = ConnectionResetError("draft replica gone")
+                self.unavailable = self.down
+        return out
+
+
+@pytest.mark.parametrize("prefill_chunk", [256, 3], ids=["one-chunk", "chunked-catch-up"])
+def test_speculation_resumes_after_draft_failures(decoder, prefill_chunk):
+    """Drafts fail at random and come back: each failed generation resumes speculation on a new draft session over
+    its exact committed context (caught up in chunks), drafts trees again, and its greedy output stays the
+    target's. Statistics count the resumes and the steps without a tree."""
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=8192, adaptive=False, prefill_chunk=prefill_chunk,
+                                                   draft_retry_s=1e-6, draft_max_retry_s=1e-6))
+    flaky = scheduler.drafter = FlakyDrafter(scheduler.drafter, p=0.15, seed=1, down=2, scheduler=scheduler)
+    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
+    specs = [SpecParams(method=m, tree=t, vocab={"static_size": 64, "dynamic_size": 8})
+             for m in ("sd", "frspec", "evospec") for t in (TreeParams(shape="chain", num_draft_tokens=3),
+                                                            TreeParams(shape="tree", depth=3, branching=2, budget=6))]
+    sinks = [Collector() for _ in specs]
+    prompts = [[5 + i, 6, 7, 8, 9, 10, 11][: 2 + i] for i in range(len(specs))]
+    for prompt, spec, sink in zip(prompts, specs, sinks):
+        scheduler.submit(prompt, sampling, spec, sink)
+    scheduler.run_until_idle()
+    resumes = 0
+    for prompt, sink in zip(prompts, sinks):
+        assert isinstance(sink.finished, Finished), sink.finished
+        assert sink.tokens == oracle(decoder, prompt, sampling, SpecParams(method="ar")).output_ids
+        stats = sink.finished.stats
+        resumes += stats.draft_resumes
+        if stats.draft_resumes:
+            assert stats.fallback_steps > 0 and stats.fallback_reason == "ConnectionResetError: draft replica gone"
+    assert resumes > 0 and flaky.trees_after_resume > 0 and flaky.errors == []
+    key_prompt = {key: context for key, context in flaky.opened}  # a resumed session's context: prompt + output
+    for key, context in flaky.opened:
+        assert context == key_prompt[key][: len(context)]
+    assert not scheduler.drafter.inner.sessions
+    assert scheduler.arena.free_tokens == scheduler.arena.capacity
+
+
+def test_a_draft_refusing_for_good_is_not_retried(decoder):
+    """An error a reconnect cannot fix (another static vocabulary) drops the draft once and never resumes it."""
+    class Refusing(FlakyDrafter):
+        def propose(self, requests, prefills):
+            error = EvoSpecError("draft and target use different static vocabularies")
+            error.retryable = False
+            return {key: error for key in [*requests, *prefills]}
+
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, adaptive=False, draft_retry_s=1e-6))
+    scheduler.drafter = Refusing(scheduler.drafter, p=0, seed=0)
+    sink = Collector()
+    scheduler.submit([5, 6], SamplingParams(max_tokens=12, ignore_eos=True), SpecParams(method="sd"), sink)
+    scheduler.run_until_idle()
+    assert sink.tokens == oracle(decoder, [5, 6], SamplingParams(max_tokens=12, ignore_eos=True),
+                                 SpecParams(method="ar")).output_ids
+    assert sink.finished.stats.draft_resumes == 0 and len(scheduler.drafter.opened) == 1
+
+
+@pytest.mark.slow
+def test_resumed_speculation_keeps_the_target_distribution():
+    """Sampling with drafts that fail and resume at random: the joint of tokens 3 and 4 (reached through drafted,
+    target-only, catching-up and resumed steps) matches the target's exact distribution (chi-square)."""
+    vocab, prompt = 6, [2, 5, 3]
+    target, draft = random_pair(vocab=vocab, seed=7, eos=0, noise=0.5)
+    dec = SpeculativeDecoder(target, draft)
+    sampling = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    scheduler = Scheduler(dec, SchedulerConfig(kv_tokens=8192, adaptive=False, draft_retry_s=1e-6,
+                                               draft_max_retry_s=1e-6))
+    flaky = scheduler.drafter = FlakyDrafter(scheduler.drafter, p=0.35, seed=2, down=0, scheduler=scheduler)
+    spec = SpecParams(method="sd", tree=TreeParams(shape="tree", depth=2, branching=2, budget=4))
+    n, counts = 3000, np.zeros(vocab * vocab)
+    for start in range(0, n, 150):
+        sinks = [Collector() for _ in range(150)]
+        for i, sink in enumerate(sinks):
+            scheduler.submit(prompt, sampling.model_copy(update={"seed": start + i}), spec, sink)
+        scheduler.run_until_idle()
+        for sink in sinks:
+            counts[sink.tokens[2] * vocab + sink.tokens[3]] += 1
+    assert flaky.trees_after_resume > n * 0.1 and flaky.errors == []
+    first_two = exact_two_token_joint(target, prompt, sampling)
+    expected = sum(first_two[x1 * vocab + x2] * exact_two_token_joint(target, prompt + [x1, x2], sampling)
+                   for x1 in range(vocab) for x2 in range(vocab))
+    assert chi_square_p(counts, expected) > 1e-3
