@@ -14,10 +14,12 @@ from evospec.services.config import ReplicaConfig
 from evospec.services.draft.deployment import DraftDeployment
 from evospec.services.target.deployment import TargetDeployment
 
-# Serve's gRPC proxy must register our public service (and standard health) on its server.
+# Serve's gRPC proxy must register our public service (and standard health) on its server; the last entry registers
+# no service: it makes the proxy answer a failed target replica with UNAVAILABLE and no internals (ingress.py).
 GRPC_SERVICER_FUNCTIONS = [
     "evospec_client.api.v1.generate_pb2_grpc.add_GenerateServicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+    "evospec.services.target.ingress.install_error_policy",
 ]
 
 

@@ -248,7 +248,7 @@ def cmd_vocab(args) -> int:
 
 BENCH_SUITES = ("v1", "grid", "random", "decoupled", "real", "concurrency")
 PASSTHROUGH = {"loadtest": "evospec.loadtest.run", "loadtest-sweep": "evospec.loadtest.sweep",
-               "train-tiny": "evospec.tiny_pair.train"}
+               "train-tiny": "evospec.tiny_pair.train", "chaos": "evospec.orchestration.chaos"}
 
 
 def passthrough_module(argv: list[str]) -> str | None:
@@ -326,6 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("loadtest", help="async load generator against a running service (vllm bench serve style)")
     sub.add_parser("loadtest-sweep", help="methods x concurrency sweep (starts a local service by default)")
     sub.add_parser("train-tiny", help="retrain the embedded tiny Qwen3 pair (~30 CPU-minutes)")
+    sub.add_parser("chaos", help="freeze and kill draft and target replicas under load on a local two-node cluster; "
+                                 "print what streams and clients saw and how fast speculation came back")
     return ap
 
 

@@ -31,20 +31,49 @@ def prepare_environment() -> None:
     os.environ.pop("RAY_ADDRESS", None)
 
 
+# The two-node layout of tests and `evospec chaos`: node resources that config pins each deployment to.
+TWO_NODES = ({"target_node": 1.0}, {"draft_node": 1.0})
+
+
 @contextlib.contextmanager
-def local_ray(num_cpus: int = 4) -> Iterator[None]:
+def local_ray(num_cpus: int = 4, nodes: tuple[dict[str, float], ...] = ()) -> Iterator[None]:
+    """A private Ray cluster on this machine: one node, or one node per entry of `nodes` (its custom resources;
+    each node gets num_cpus / len(nodes) CPUs and one logical GPU), to place deployments on different nodes."""
     prepare_environment()
     import ray
     import torch
     tmp = tempfile.mkdtemp(prefix="rt-", dir="/tmp")  # short: unix socket paths must stay < 107 bytes
-    gpus = torch.cuda.device_count() or 2  # logical GPUs on a CPU machine
-    ray.init(address="local", num_cpus=num_cpus, num_gpus=gpus, include_dashboard=False, log_to_driver=False,
-             object_store_memory=256 * 1024**2, _temp_dir=tmp, configure_logging=False)
+    cluster = None
+    if nodes:
+        from ray.cluster_utils import Cluster
+        os.environ["RAY_TMPDIR"] = tmp  # Cluster writes its address file under $RAY_TMPDIR/ray, not the shared /tmp/ray
+        os.makedirs(os.path.join(tmp, "ray"), exist_ok=True)
+        per_node = dict(num_cpus=max(1, num_cpus // len(nodes)), num_gpus=1, include_dashboard=False,
+                        object_store_memory=128 * 1024**2, temp_dir=tmp)
+        cluster = Cluster(initialize_head=True, head_node_args={**per_node, "resources": nodes[0]})
+        for resources in nodes[1:]:
+            cluster.add_node(**per_node, resources=resources)
+        ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    else:
+        gpus = torch.cuda.device_count() or 2  # logical GPUs on a CPU machine
+        ray.init(address="local", num_cpus=num_cpus, num_gpus=gpus, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=256 * 1024**2, _temp_dir=tmp, configure_logging=False)
     try:
         yield
     finally:
         ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+            os.environ.pop("RAY_TMPDIR", None)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def placed_on_nodes(cfg: AppConfig, nodes: tuple[dict[str, float], ...] = TWO_NODES) -> AppConfig:
+    """`cfg` with Target pinned to the first node's resources and Draft to the second's."""
+    def pinned(service, resources):
+        replica = service.replica.model_copy(update={"resources": {**service.replica.resources, **resources}})
+        return service.model_copy(update={"replica": replica})
+    return cfg.model_copy(update={"target": pinned(cfg.target, nodes[0]), "draft": pinned(cfg.draft, nodes[1])})
 
 
 @contextlib.contextmanager

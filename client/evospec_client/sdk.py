@@ -6,8 +6,10 @@
             print(delta.text, end="")
         print(delta.stats)          # the last delta carries finish_reason and per-request speculative stats
 
-Every call has a deadline (`timeout`). Retries: only UNAVAILABLE, and only before the first response arrived (a
-generation that started is never silently replayed).
+Every call has a deadline (`timeout`). Retries (`retries`, exponential backoff from `backoff_s`): only UNAVAILABLE
+(what a restarting target replica answers: "target restarting, retry"), and only before the first response arrived.
+So unary calls (`info`, `generate_once`) are retried whole, a stream only if it produced nothing yet: a generation
+that started is never silently replayed.
 """
 from __future__ import annotations
 
@@ -151,18 +153,21 @@ class EvoSpecClient:
     def generate_once(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs) -> Completion:
         """Unary GenerateOnce RPC."""
         request = build_request(prompt, **kwargs)
-        try:
-            msg = self._stub.GenerateOnce(request, timeout=timeout or self.timeout, metadata=self.metadata)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
-        return _completion(msg)
+        return _completion(self._unary(self._stub.GenerateOnce, request, timeout or self.timeout))
 
     def info(self, timeout: float = 10.0) -> dict:
-        try:
-            msg = self._stub.Info(pb.InfoRequest(), timeout=timeout, metadata=self.metadata)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
-        return _info(msg)
+        return _info(self._unary(self._stub.Info, pb.InfoRequest(), timeout))
+
+    def _unary(self, method, request, timeout: float):
+        for attempt in range(self.retries + 1):
+            try:
+                return method(request, timeout=timeout, metadata=self.metadata)
+            except grpc.RpcError as err:
+                error = from_rpc_error(err)
+                delay = _retry_delay(error, False, attempt, self.retries, self.backoff_s)
+                if delay is None:
+                    raise error from None
+                time.sleep(delay)
 
     def wait_ready(self, timeout: float = 60.0) -> dict:
         """Poll Info until the service answers; after `timeout`, raise the last error (Unavailable, NotFound or
@@ -224,18 +229,21 @@ class AsyncEvoSpecClient:
                             ) -> Completion:
         """Unary GenerateOnce RPC."""
         request = build_request(prompt, **kwargs)
-        try:
-            msg = await self._stub.GenerateOnce(request, timeout=timeout or self.timeout, metadata=self.metadata)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
-        return _completion(msg)
+        return _completion(await self._unary(self._stub.GenerateOnce, request, timeout or self.timeout))
 
     async def info(self, timeout: float = 10.0) -> dict:
-        try:
-            msg = await self._stub.Info(pb.InfoRequest(), timeout=timeout, metadata=self.metadata)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
-        return _info(msg)
+        return _info(await self._unary(self._stub.Info, pb.InfoRequest(), timeout))
+
+    async def _unary(self, method, request, timeout: float):
+        for attempt in range(self.retries + 1):
+            try:
+                return await method(request, timeout=timeout, metadata=self.metadata)
+            except grpc.RpcError as err:
+                error = from_rpc_error(err)
+                delay = _retry_delay(error, False, attempt, self.retries, self.backoff_s)
+                if delay is None:
+                    raise error from None
+                await asyncio.sleep(delay)
 
     async def wait_ready(self, timeout: float = 60.0) -> dict:
         """Poll Info until the service answers; after `timeout`, raise the last error (Unavailable, NotFound or

@@ -33,6 +33,11 @@ class DraftDeployment:
     def model(self) -> str:
         return self.server.model_name
 
+    def placement(self) -> dict:
+        """The node this replica runs on and the resources it holds (operators, the two-node test)."""
+        context = ray.get_runtime_context()
+        return {"node_id": context.get_node_id(), "resources": context.get_assigned_resources()}
+
     def num_sessions(self) -> int:
         return self.server.num_sessions()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import ray
 from ray import serve
 
 from evospec.services.common.metrics import ServiceMetrics
@@ -64,6 +65,11 @@ class TargetDeployment:
         """grpc.health.v1.Health/Check, routed here by Serve's gRPC proxy."""
         from grpc_health.v1 import health_pb2
         return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+    def placement(self) -> dict:
+        """The node this replica runs on and the resources it holds (operators, the two-node test)."""
+        context = ray.get_runtime_context()
+        return {"node_id": context.get_node_id(), "resources": context.get_assigned_resources()}
 
     def draft_replicas(self) -> list[dict]:
         """The draft replicas this target replica knows, with their health (operators, tests)."""

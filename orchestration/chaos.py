@@ -1,0 +1,247 @@
+"""Chaos scenarios against the decoupled service: what an operator's bad day does to running streams.
+
+    evospec chaos [--config cpu-tiny.yaml] [--streams 4] [--max-tokens 160] [--freeze-s 5] [--json out.json]
+
+starts the service on a private two-node Ray cluster (Target on one node, Draft on the other), then
+1. freezes the Draft replica's process (SIGSTOP) for longer than the step deadline while streams of every
+   speculative method run: every stream must keep producing tokens (longest gap) and finish, greedy-identical to
+   `ar`; after the thaw, how long until a new request speculates again;
+2. kills the Draft replica (Serve replaces it) while streams run: the same checks, plus how long after the new replica
+   is healthy speculation is back;
+3. kills the Target replica while streams run: what clients see (UNAVAILABLE, no actor ids, pids or namespaces) and
+   how long until the service answers again.
+The e2e suite (tests/e2e/test_chaos.py) runs the same scenarios, shorter, and asserts the issue's goals.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+METHODS = ("sd", "frspec", "evospec")
+PROMPTS = ("What are the first-line treatments for hypertension in adults?",
+           "Does aspirin reduce the risk of a second stroke?",
+           "How is type 2 diabetes diagnosed?",
+           "What are the side effects of metformin?",
+           "When should antibiotics be used for otitis media in children?",
+           "Is vitamin D supplementation useful for bone health in older adults?")
+INTERNALS = ("actor", "pid", "namespace", "ray::", "Traceback", "SERVE_REPLICA")
+
+
+# ---- the cluster side ------------------------------------------------------------------------------------------------
+def replica_actors(app: str, deployment: str) -> list:
+    """Handles of a deployment's live replica actors (Serve names them SERVE_REPLICA::<app>#<deployment>#<id>)."""
+    import ray
+    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
+    actors = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["name"].startswith(prefix):
+            try:
+                actors.append(ray.get_actor(entry["name"], namespace=entry["namespace"]))
+            except ValueError:
+                continue  # died meanwhile
+    return actors
+
+
+def replica_pid(actor) -> int:
+    import ray
+    return ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()), timeout=30)
+
+
+def kill_replica(app: str, deployment: str) -> None:
+    import ray
+    actors = replica_actors(app, deployment)
+    if not actors:
+        raise RuntimeError(f"no live {deployment} replica to kill")
+    ray.kill(actors[0], no_restart=True)  # Serve's controller notices and starts a replacement
+
+
+def wait_healthy(app: str, deployment: str, timeout_s: float = 120.0) -> float:
+    """Block until the deployment is HEALTHY with all its replicas running; returns the time it took."""
+    from ray import serve
+    start = time.monotonic()
+    time.sleep(0.5)  # let the controller notice a kill first
+    while time.monotonic() - start < timeout_s:
+        status = serve.status().applications.get(app)
+        if status is not None:
+            dep = status.deployments.get(deployment)
+            if dep is not None and dep.status == "HEALTHY" and not set(dep.replica_states) - {"RUNNING"}:
+                return time.monotonic() - start
+        time.sleep(0.2)
+    raise TimeoutError(f"{deployment} not healthy after {timeout_s:.0f}s")
+
+
+# ---- the client side -------------------------------------------------------------------------------------------------
+@dataclass
+class StreamResult:
+    prompt: str
+    method: str
+    token_ids: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    finish_reason: str = ""
+    stats: dict = field(default_factory=dict)
+    error_code: str = ""
+    error: str = ""
+
+    @property
+    def longest_gap_s(self) -> float:
+        return max((b - a for a, b in zip(self.times, self.times[1:])), default=0.0)
+
+
+def stream_one(client, result: StreamResult, max_tokens: int) -> None:
+    try:
+        for delta in client.stream(messages=[{"role": "user", "content": result.prompt}], method=result.method,
+                                   max_tokens=max_tokens, ignore_eos=True):
+            if delta.token_ids:
+                result.token_ids += delta.token_ids
+                result.times.append(time.monotonic())
+            if delta.finish_reason:
+                result.finish_reason, result.stats = delta.finish_reason, delta.stats
+    except Exception as exc:  # noqa: BLE001 - what the client saw is the figure
+        result.error_code = getattr(getattr(exc, "code", None), "name", type(exc).__name__)
+        result.error = str(exc)
+
+
+def start_streams(client, jobs: list[tuple[str, str]], max_tokens: int) -> tuple[list[StreamResult], list]:
+    results = [StreamResult(prompt, method) for prompt, method in jobs]
+    threads = [threading.Thread(target=stream_one, args=(client, r, max_tokens), daemon=True) for r in results]
+    for t in threads:
+        t.start()
+    return results, threads
+
+
+def wait_started(results: list[StreamResult], tokens: int = 2, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(len(r.token_ids) >= tokens or r.finish_reason or r.error_code for r in results):
+            return
+        time.sleep(0.05)
+    raise TimeoutError("streams did not start")
+
+
+def greedy_references(client, prompts, max_tokens: int) -> dict[str, list[int]]:
+    """Target-only (`ar`) greedy outputs: what every speculative stream must reproduce."""
+    return {p: client.generate(messages=[{"role": "user", "content": p}], method="ar", max_tokens=max_tokens,
+                               ignore_eos=True).token_ids for p in prompts}
+
+
+def speculation_back_s(client, timeout_s: float = 60.0) -> float:
+    """Seconds until a new request speculates again: drafted trees and no step without its draft."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        try:
+            done = client.generate(PROMPTS[0], method="evospec", max_tokens=8, ignore_eos=True)
+            if done.stats.get("drafted", 0) > 0 and not done.stats.get("fallback_steps", 0):
+                return time.monotonic() - start
+        except Exception:  # noqa: BLE001 - the service may still be recovering
+            pass
+        time.sleep(0.25)
+    return float("inf")
+
+
+def stream_figures(results: list[StreamResult], references: dict[str, list[int]]) -> dict:
+    speculative = [r for r in results if r.method != "ar"]
+    return {
+        "streams": len(results),
+        "completed": sum(bool(r.finish_reason) for r in results),
+        "greedy_identical": sum(r.token_ids == references[r.prompt] for r in results),
+        "fell_back": sum(r.stats.get("fallback_steps", 0) > 0 for r in speculative),
+        "resumed": sum(r.stats.get("draft_resumes", 0) > 0 for r in speculative),
+        "longest_gap_s": round(max((r.longest_gap_s for r in results), default=0.0), 3),
+        "errors": sorted({f"{r.error_code}: {r.error}" for r in results if r.error_code}),
+    }
+
+
+# ---- the scenarios ---------------------------------------------------------------------------------------------------
+def jobs_for(streams_per_method: int) -> list[tuple[str, str]]:
+    return [(PROMPTS[i % len(PROMPTS)], method) for method in METHODS for i in range(streams_per_method)]
+
+
+def draft_freeze(client, app: str, references, streams_per_method: int, max_tokens: int, freeze_s: float) -> dict:
+    pid = replica_pid(replica_actors(app, "Draft")[0])
+    results, threads = start_streams(client, jobs_for(streams_per_method), max_tokens)
+    wait_started(results)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(freeze_s)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    for t in threads:
+        t.join(timeout=300)
+    return {"scenario": "draft_freeze", "freeze_s": freeze_s, **stream_figures(results, references),
+            "speculation_back_after_thaw_s": round(speculation_back_s(client), 2)}
+
+
+def draft_kill(client, app: str, references, streams_per_method: int, max_tokens: int) -> dict:
+    results, threads = start_streams(client, jobs_for(streams_per_method), max_tokens)
+    wait_started(results)
+    kill_replica(app, "Draft")
+    for t in threads:
+        t.join(timeout=300)
+    healthy_s = wait_healthy(app, "Draft")
+    return {"scenario": "draft_kill", **stream_figures(results, references),
+            "draft_healthy_after_kill_s": round(healthy_s, 2),
+            "speculation_back_after_healthy_s": round(speculation_back_s(client), 2)}
+
+
+def target_kill(client, app: str, streams: int, max_tokens: int) -> dict:
+    results, threads = start_streams(client, [(PROMPTS[i % len(PROMPTS)], "evospec") for i in range(streams)],
+                                     max_tokens)
+    wait_started(results)
+    killed = time.monotonic()
+    kill_replica(app, "Target")
+    for t in threads:
+        t.join(timeout=300)
+    recovered = float("inf")
+    while time.monotonic() - killed < 120:
+        try:
+            client.generate(PROMPTS[0], method="evospec", max_tokens=4, timeout=30)
+            recovered = time.monotonic() - killed
+            break
+        except Exception:  # noqa: BLE001 - not back yet
+            time.sleep(0.25)
+    messages = [f"{r.error_code}: {r.error}" for r in results if r.error_code]
+    return {"scenario": "target_kill", "streams": len(results),
+            "completed": sum(bool(r.finish_reason) for r in results),
+            "error_codes": sorted({r.error_code for r in results if r.error_code}),
+            "errors": sorted(set(messages)),
+            "leaking_internals": sum(any(w.lower() in m.lower() for w in INTERNALS) for m in messages),
+            "answers_again_after_s": round(recovered, 2)}
+
+
+def run_all(address: str, app: str, streams_per_method: int, max_tokens: int, freeze_s: float) -> list[dict]:
+    from evospec_client import EvoSpecClient
+    with EvoSpecClient(address, timeout=300, app_name=app) as client:
+        client.wait_ready(timeout=300)
+        references = greedy_references(client, PROMPTS, max_tokens)
+        return [draft_freeze(client, app, references, streams_per_method, max_tokens, freeze_s),
+                draft_kill(client, app, references, streams_per_method, max_tokens),
+                target_kill(client, app, 2 * streams_per_method, max_tokens)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="evospec chaos", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=None, help="app YAML (default: cpu-tiny.yaml)")
+    ap.add_argument("--streams", type=int, default=4, help="concurrent streams per speculative method")
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--freeze-s", type=float, default=5.0, help="how long the draft process stays frozen")
+    ap.add_argument("--json", default=None, help="also write the figures here")
+    args = ap.parse_args(argv)
+    from evospec.orchestration.config import DEFAULT_CONFIG, AppConfig
+    from evospec.orchestration.local import TWO_NODES, free_port, local_ray, placed_on_nodes, serve_app
+    cfg = placed_on_nodes(AppConfig.from_yaml(args.config or DEFAULT_CONFIG))
+    cfg = cfg.model_copy(update={"grpc_port": free_port(), "http_port": free_port()})
+    with local_ray(num_cpus=4, nodes=TWO_NODES), serve_app(cfg) as address:
+        figures = run_all(address, cfg.app_name, args.streams, args.max_tokens, args.freeze_s)
+    for row in figures:
+        print(json.dumps(row))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
+    return 0
+
+

@@ -1,0 +1,48 @@
+"""Chaos on the two-node service (orchestration/chaos.py, shorter than `evospec chaos`): a frozen or killed draft
+replica never breaks a stream, speculation comes back, and a killed target replica gives clients UNAVAILABLE without
+internals and is back within 30 s. These run after every other e2e test (conftest orders the `chaos` marker last)."""
+import pytest
+from ray import serve
+
+from evospec.orchestration import chaos
+
+pytestmark = [pytest.mark.e2e, pytest.mark.chaos, pytest.mark.timeout(600)]
+
+MAX_TOKENS = 96
+
+
+@pytest.fixture(scope="module")
+def references(client):
+    return chaos.greedy_references(client, chaos.PROMPTS, MAX_TOKENS)
+
+
+def test_draft_and_target_run_on_different_nodes(service):
+    app = service[1].app_name
+    draft = serve.get_deployment_handle("Draft", app).placement.remote().result(timeout_s=30)
+    target = serve.get_deployment_handle("Target", app).placement.remote().result(timeout_s=30)
+    assert draft["node_id"] != target["node_id"]
+    assert "draft_node" in draft["resources"] and "target_node" in target["resources"]
+
+
+def test_a_frozen_draft_stalls_no_stream(client, service, references):
+    figures = chaos.draft_freeze(client, service[1].app_name, references, streams_per_method=4,
+                                 max_tokens=MAX_TOKENS, freeze_s=3.0)
+    assert figures["completed"] == figures["streams"] == 12, figures
+    assert figures["greedy_identical"] == 12, figures
+    assert figures["longest_gap_s"] < 2.0, figures  # the step deadline (1 s) bounds a stall, not the freeze
+    assert figures["speculation_back_after_thaw_s"] < 30, figures
+
+
+def test_a_killed_draft_breaks_no_stream_and_speculation_returns(client, service, references):
+    figures = chaos.draft_kill(client, service[1].app_name, references, streams_per_method=4, max_tokens=MAX_TOKENS)
+    assert figures["completed"] == figures["streams"] == 12, figures
+    assert figures["greedy_identical"] == 12, figures
+    assert figures["errors"] == [], figures
+    assert figures["speculation_back_after_healthy_s"] < 30, figures
+
+
+def test_a_killed_target_gives_clients_unavailable_without_internals(client, service):
+    figures = chaos.target_kill(client, service[1].app_name, streams=4, max_tokens=MAX_TOKENS * 4)
+    assert figures["leaking_internals"] == 0, figures
+    assert set(figures["error_codes"]) <= {"UNAVAILABLE"}, figures
+    assert figures["answers_again_after_s"] < 30, figures
