@@ -1,13 +1,16 @@
 """Chaos scenarios against the decoupled service: what an operator's bad day does to running streams.
 
-    evospec chaos [--config cpu-tiny.yaml] [--streams 4] [--max-tokens 160] [--freeze-s 5] [--json out.json]
+    evospec chaos [--config cpu-tiny.yaml] [--streams 4] [--max-tokens 160] [--freeze-s 5] [--draft-replicas 2]
+                  [--json out.json]
 
-starts the service on a private two-node Ray cluster (Target on one node, Draft on the other), then
-1. freezes the Draft replica's process (SIGSTOP) for longer than the step deadline while streams of every
+starts the service on a private two-node Ray cluster (Target on one node, Draft on the other), with a fixed draft
+depth (so that a stream's τ does not depend on load), then
+1. freezes a Draft replica's process (SIGSTOP) for longer than the step deadline while streams of every
    speculative method run: every stream must keep producing tokens (longest gap) and finish, greedy-identical to
    `ar`; after the thaw, how long until a new request speculates again;
-2. kills the Draft replica (Serve replaces it) while streams run: the same checks, plus how long after the new replica
-   is healthy speculation is back;
+2. kills a Draft replica (Serve replaces it) while streams run: the same checks, how long after the new replica is
+   healthy speculation is back, and, with several draft replicas, how many streams never noticed (no step without
+   their draft) and how far their τ moved from a calm run's;
 3. kills the Target replica while streams run: what clients see (UNAVAILABLE, no actor ids, pids or namespaces) and
    how long until the service answers again.
 The e2e suite (tests/e2e/test_chaos.py) runs the same scenarios, shorter, and asserts the issue's goals.
@@ -52,6 +55,12 @@ def replica_pid(actor) -> int:
     return ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()), timeout=30)
 
 
+def replica_names(app: str, deployment: str) -> set[str]:
+    import ray
+    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)}
+
+
 def kill_replica(app: str, deployment: str) -> None:
     import ray
     actors = replica_actors(app, deployment)
@@ -60,19 +69,19 @@ def kill_replica(app: str, deployment: str) -> None:
     ray.kill(actors[0], no_restart=True)  # Serve's controller notices and starts a replacement
 
 
-def wait_healthy(app: str, deployment: str, timeout_s: float = 120.0) -> float:
-    """Block until the deployment is HEALTHY with all its replicas running; returns the time it took."""
+def wait_replaced(app: str, deployment: str, before: set[str], timeout_s: float = 300.0) -> float:
+    """Block until a replica that was not among `before` (the names before a kill) runs and Serve reports the
+    deployment HEALTHY with every replica RUNNING (the replacement finished starting); returns time.monotonic()."""
     from ray import serve
     start = time.monotonic()
-    time.sleep(0.5)  # let the controller notice a kill first
     while time.monotonic() - start < timeout_s:
         status = serve.status().applications.get(app)
-        if status is not None:
-            dep = status.deployments.get(deployment)
-            if dep is not None and dep.status == "HEALTHY" and not set(dep.replica_states) - {"RUNNING"}:
-                return time.monotonic() - start
+        dep = status.deployments.get(deployment) if status is not None else None
+        if dep is not None and dep.status == "HEALTHY" and not set(dep.replica_states) - {"RUNNING"} \
+                and replica_names(app, deployment) - before:
+            return time.monotonic()
         time.sleep(0.2)
-    raise TimeoutError(f"{deployment} not healthy after {timeout_s:.0f}s")
+    raise TimeoutError(f"{deployment} not replaced after {timeout_s:.0f}s")
 
 
 # ---- the client side -------------------------------------------------------------------------------------------------
@@ -123,10 +132,20 @@ def wait_started(results: list[StreamResult], tokens: int = 2, timeout_s: float 
     raise TimeoutError("streams did not start")
 
 
-def greedy_references(client, prompts, max_tokens: int) -> dict[str, list[int]]:
-    """Target-only (`ar`) greedy outputs: what every speculative stream must reproduce."""
-    return {p: client.generate(messages=[{"role": "user", "content": p}], method="ar", max_tokens=max_tokens,
-                               ignore_eos=True).token_ids for p in prompts}
+@dataclass
+class References:
+    """A calm run: target-only (`ar`) greedy outputs, which every speculative stream must reproduce, and each
+    (prompt, method)'s τ."""
+    tokens: dict[str, list[int]]
+    tau: dict[tuple[str, str], float]
+
+
+def greedy_references(client, prompts, max_tokens: int, methods=METHODS) -> References:
+    def run(prompt, method):
+        return client.generate(messages=[{"role": "user", "content": prompt}], method=method, max_tokens=max_tokens,
+                               ignore_eos=True)
+    tokens = {p: run(p, "ar").token_ids for p in prompts}
+    return References(tokens, {(p, m): run(p, m).stats["tau"] for p in prompts for m in methods})
 
 
 def speculation_back_s(client, timeout_s: float = 60.0) -> float:
@@ -143,17 +162,35 @@ def speculation_back_s(client, timeout_s: float = 60.0) -> float:
     return float("inf")
 
 
-def stream_figures(results: list[StreamResult], references: dict[str, list[int]]) -> dict:
+def stream_figures(results: list[StreamResult], references: References) -> dict:
     speculative = [r for r in results if r.method != "ar"]
+    untouched = [r for r in speculative if r.finish_reason and not r.stats.get("fallback_steps", 0)]
+    tau_moved = [abs(r.stats["tau"] - references.tau[r.prompt, r.method]) for r in untouched
+                 if (r.prompt, r.method) in references.tau]
     return {
         "streams": len(results),
         "completed": sum(bool(r.finish_reason) for r in results),
-        "greedy_identical": sum(r.token_ids == references[r.prompt] for r in results),
+        "greedy_identical": sum(r.token_ids == references.tokens[r.prompt] for r in results),
         "fell_back": sum(r.stats.get("fallback_steps", 0) > 0 for r in speculative),
         "resumed": sum(r.stats.get("draft_resumes", 0) > 0 for r in speculative),
+        "untouched": len(untouched),
+        "untouched_max_tau_change": round(max(tau_moved, default=0.0), 4),
         "longest_gap_s": round(max((r.longest_gap_s for r in results), default=0.0), 3),
         "errors": sorted({f"{r.error_code}: {r.error}" for r in results if r.error_code}),
+        "per_stream": [{"prompt": PROMPTS.index(r.prompt) if r.prompt in PROMPTS else -1, "method": r.method,
+                        "identical": r.token_ids == references.tokens[r.prompt],
+                        "first_difference": first_difference(r.token_ids, references.tokens[r.prompt]),
+                        **{k: r.stats.get(k) for k in ("tau", "fallback_steps", "draft_resumes")}}
+                       for r in results],
     }
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    """Index of the first token where two outputs differ (-1: identical)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return -1 if len(a) == len(b) else min(len(a), len(b))
 
 
 # ---- the scenarios ---------------------------------------------------------------------------------------------------
@@ -170,22 +207,26 @@ def draft_freeze(client, app: str, references, streams_per_method: int, max_toke
         time.sleep(freeze_s)
     finally:
         os.kill(pid, signal.SIGCONT)
+    back_s = speculation_back_s(client)  # from the thaw, while the streams may still run
     for t in threads:
         t.join(timeout=300)
     return {"scenario": "draft_freeze", "freeze_s": freeze_s, **stream_figures(results, references),
-            "speculation_back_after_thaw_s": round(speculation_back_s(client), 2)}
+            "speculation_back_after_thaw_s": round(back_s, 2)}
 
 
 def draft_kill(client, app: str, references, streams_per_method: int, max_tokens: int) -> dict:
     results, threads = start_streams(client, jobs_for(streams_per_method), max_tokens)
     wait_started(results)
+    before = replica_names(app, "Draft")
+    killed = time.monotonic()
     kill_replica(app, "Draft")
+    healthy = wait_replaced(app, "Draft", before)
+    back_s = speculation_back_s(client)  # measured while the streams may still run
     for t in threads:
         t.join(timeout=300)
-    healthy_s = wait_healthy(app, "Draft")
     return {"scenario": "draft_kill", **stream_figures(results, references),
-            "draft_healthy_after_kill_s": round(healthy_s, 2),
-            "speculation_back_after_healthy_s": round(speculation_back_s(client), 2)}
+            "draft_healthy_after_kill_s": round(healthy - killed, 2),
+            "speculation_back_after_healthy_s": round(back_s, 2)}
 
 
 def target_kill(client, app: str, streams: int, max_tokens: int) -> dict:
@@ -217,10 +258,24 @@ def run_all(address: str, app: str, streams_per_method: int, max_tokens: int, fr
     from evospec_client import EvoSpecClient
     with EvoSpecClient(address, timeout=300, app_name=app) as client:
         client.wait_ready(timeout=300)
-        references = greedy_references(client, PROMPTS, max_tokens)
+        references = greedy_references(client, PROMPTS[:streams_per_method], max_tokens)
         return [draft_freeze(client, app, references, streams_per_method, max_tokens, freeze_s),
                 draft_kill(client, app, references, streams_per_method, max_tokens),
                 target_kill(client, app, 2 * streams_per_method, max_tokens)]
+
+
+def fixed_depth(cfg, draft_replicas: int = 1):
+    """`cfg` with every request drafting its full tree (τ comparable across runs) and `draft_replicas` drafts."""
+    scheduler = cfg.target.scheduler.model_copy(update={"adaptive": False})
+    replica = cfg.draft.replica.model_copy(update={"num_replicas": draft_replicas})
+    return cfg.model_copy(update={"target": cfg.target.model_copy(update={"scheduler": scheduler}),
+                                  "draft": cfg.draft.model_copy(update={"replica": replica})})
+
+
+def in_float32(cfg):
+    def f32(service):
+        return service.model_copy(update={"model": service.model.model_copy(update={"dtype": "float32"})})
+    return cfg.model_copy(update={"draft": f32(cfg.draft), "target": f32(cfg.target)})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,12 +284,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=4, help="concurrent streams per speculative method")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--freeze-s", type=float, default=5.0, help="how long the draft process stays frozen")
+    ap.add_argument("--draft-replicas", type=int, default=1, help="Draft replicas (a kill then hits one of them)")
+    ap.add_argument("--float32", action="store_true",
+                    help="both models in float32, so greedy outputs are comparable token for token across batch "
+                         "compositions (in bf16 a near-tie can break either way when the batch changes)")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args(argv)
     from evospec.orchestration.config import DEFAULT_CONFIG, AppConfig
     from evospec.orchestration.local import TWO_NODES, free_port, local_ray, placed_on_nodes, serve_app
-    cfg = placed_on_nodes(AppConfig.from_yaml(args.config or DEFAULT_CONFIG))
+    cfg = fixed_depth(placed_on_nodes(AppConfig.from_yaml(args.config or DEFAULT_CONFIG)), args.draft_replicas)
     cfg = cfg.model_copy(update={"grpc_port": free_port(), "http_port": free_port()})
+    if args.float32:
+        cfg = in_float32(cfg)
     with local_ray(num_cpus=4, nodes=TWO_NODES), serve_app(cfg) as address:
         figures = run_all(address, cfg.app_name, args.streams, args.max_tokens, args.freeze_s)
     for row in figures:

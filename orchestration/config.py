@@ -40,4 +40,6 @@ class AppConfig(BaseModel):
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "AppConfig":
-        return cls(**(yaml.safe_load(Path(path).read_text()) or {}))
+        """A YAML path, or the name of a file of orchestration/configs/ (e.g. cpu-qwen2.5-coder.yaml)."""
+        from evospec.loading import given_or_packaged
+        return cls(**(yaml.safe_load(given_or_packaged(path, CONFIG_DIR).read_text()) or {}))

@@ -31,14 +31,15 @@ def prepare_environment() -> None:
     os.environ.pop("RAY_ADDRESS", None)
 
 
-# The two-node layout of tests and `evospec chaos`: node resources that config pins each deployment to.
-TWO_NODES = ({"target_node": 1.0}, {"draft_node": 1.0})
+# The two-node layout of tests and `evospec chaos`: node resources that config pins each deployment to (each
+# replica asks 1 of the node's 64, so several replicas fit on a node).
+TWO_NODES = ({"target_node": 64.0}, {"draft_node": 64.0})
 
 
 @contextlib.contextmanager
 def local_ray(num_cpus: int = 4, nodes: tuple[dict[str, float], ...] = ()) -> Iterator[None]:
     """A private Ray cluster on this machine: one node, or one node per entry of `nodes` (its custom resources;
-    each node gets num_cpus / len(nodes) CPUs and one logical GPU), to place deployments on different nodes."""
+    each node gets num_cpus / len(nodes) CPUs and 4 logical GPUs), to place deployments on different nodes."""
     prepare_environment()
     import ray
     import torch
@@ -48,7 +49,7 @@ def local_ray(num_cpus: int = 4, nodes: tuple[dict[str, float], ...] = ()) -> It
         from ray.cluster_utils import Cluster
         os.environ["RAY_TMPDIR"] = tmp  # Cluster writes its address file under $RAY_TMPDIR/ray, not the shared /tmp/ray
         os.makedirs(os.path.join(tmp, "ray"), exist_ok=True)
-        per_node = dict(num_cpus=max(1, num_cpus // len(nodes)), num_gpus=1, include_dashboard=False,
+        per_node = dict(num_cpus=max(1, num_cpus // len(nodes)), num_gpus=4, include_dashboard=False,
                         object_store_memory=128 * 1024**2, temp_dir=tmp)
         cluster = Cluster(initialize_head=True, head_node_args={**per_node, "resources": nodes[0]})
         for resources in nodes[1:]:
@@ -69,9 +70,11 @@ def local_ray(num_cpus: int = 4, nodes: tuple[dict[str, float], ...] = ()) -> It
 
 
 def placed_on_nodes(cfg: AppConfig, nodes: tuple[dict[str, float], ...] = TWO_NODES) -> AppConfig:
-    """`cfg` with Target pinned to the first node's resources and Draft to the second's."""
+    """`cfg` with Target pinned to the first node (1 unit of its custom resource per replica) and Draft to the
+    second."""
     def pinned(service, resources):
-        replica = service.replica.model_copy(update={"resources": {**service.replica.resources, **resources}})
+        asked = {name: 1.0 for name in resources}
+        replica = service.replica.model_copy(update={"resources": {**service.replica.resources, **asked}})
         return service.model_copy(update={"replica": replica})
     return cfg.model_copy(update={"target": pinned(cfg.target, nodes[0]), "draft": pinned(cfg.draft, nodes[1])})
 

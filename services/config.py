@@ -28,9 +28,9 @@ class ReplicaConfig(BaseModel):
 class DraftLinkConfig(BaseModel):
     """How a target replica reaches the draft replicas (services/target/draft_link.py).
 
-    step_timeout_s: longest wait for a draft replica's reply to one engine step; a replica silent longer is marked
-    failed and its sessions go on target-only (small: a tree that arrives after the target could have verified
-    alone is useless). probe_timeout_s: limit of one discovery call or health probe. refresh_s: how often the
+    step_timeout_s: how long a target waits for a draft replica's reply to one engine step before it marks the
+    replica failed and runs its sessions target-only; a replica whose usual step is slower gets 3x its moving
+    average instead, so only a dead or frozen one misses it. probe_timeout_s: limit of one discovery call or health probe. refresh_s: how often the
     replicas are rediscovered through Serve (at once after a failure). retry_s / max_retry_s: a failed replica is
     probed again after retry_s, doubling up to max_retry_s; it takes sessions again once a probe answers SERVING.
     replicas: how many draft replicas to look for (the app builder sets it from draft.replica.num_replicas).
