@@ -264,12 +264,14 @@ def run_all(address: str, app: str, streams_per_method: int, max_tokens: int, fr
                 target_kill(client, app, 2 * streams_per_method, max_tokens)]
 
 
-def fixed_depth(cfg, draft_replicas: int = 1):
-    """`cfg` with every request drafting its full tree (τ comparable across runs) and `draft_replicas` drafts."""
+def for_chaos(cfg, draft_replicas: int = 1, target_replicas: int = 1):
+    """`cfg` with every request drafting its full tree (τ comparable across runs) and the given replica counts."""
+    def scaled(service, n: int, **update):
+        return service.model_copy(update={"replica": service.replica.model_copy(update={"num_replicas": n}),
+                                          **update})
     scheduler = cfg.target.scheduler.model_copy(update={"adaptive": False})
-    replica = cfg.draft.replica.model_copy(update={"num_replicas": draft_replicas})
-    return cfg.model_copy(update={"target": cfg.target.model_copy(update={"scheduler": scheduler}),
-                                  "draft": cfg.draft.model_copy(update={"replica": replica})})
+    return cfg.model_copy(update={"target": scaled(cfg.target, target_replicas, scheduler=scheduler),
+                                  "draft": scaled(cfg.draft, draft_replicas)})
 
 
 def in_float32(cfg):
@@ -285,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--freeze-s", type=float, default=5.0, help="how long the draft process stays frozen")
     ap.add_argument("--draft-replicas", type=int, default=1, help="Draft replicas (a kill then hits one of them)")
+    ap.add_argument("--target-replicas", type=int, default=1, help="Target replicas (Serve spreads the streams)")
     ap.add_argument("--float32", action="store_true",
                     help="both models in float32, so greedy outputs are comparable token for token across batch "
                          "compositions (in bf16 a near-tie can break either way when the batch changes)")
@@ -292,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from evospec.orchestration.config import DEFAULT_CONFIG, AppConfig
     from evospec.orchestration.local import TWO_NODES, free_port, local_ray, placed_on_nodes, serve_app
-    cfg = fixed_depth(placed_on_nodes(AppConfig.from_yaml(args.config or DEFAULT_CONFIG)), args.draft_replicas)
+    cfg = for_chaos(placed_on_nodes(AppConfig.from_yaml(args.config or DEFAULT_CONFIG)), args.draft_replicas,
+                    args.target_replicas)
     cfg = cfg.model_copy(update={"grpc_port": free_port(), "http_port": free_port()})
     if args.float32:
         cfg = in_float32(cfg)

@@ -28,15 +28,17 @@ class ReplicaConfig(BaseModel):
 class DraftLinkConfig(BaseModel):
     """How a target replica reaches the draft replicas (services/target/draft_link.py).
 
-    step_timeout_s: how long a target waits for a draft replica's reply to one engine step before it marks the
-    replica failed and runs its sessions target-only; a replica whose usual step is slower gets 3x its moving
-    average instead, so only a dead or frozen one misses it. probe_timeout_s: limit of one discovery call or health probe. refresh_s: how often the
+    step_timeout_s / prefill_token_s: a draft replica's reply to an engine step is late after step_timeout_s plus 3x
+    what that replica usually takes for such a step (its measured step time, and its time per prefilled context
+    token, prefill_token_s until measured); the target then marks the replica failed and runs its sessions
+    target-only. So a slow but alive replica (a big batch, a CPU prefill chunk) is waited for, a frozen one is not. probe_timeout_s: limit of one discovery call or health probe. refresh_s: how often the
     replicas are rediscovered through Serve (at once after a failure). retry_s / max_retry_s: a failed replica is
     probed again after retry_s, doubling up to max_retry_s; it takes sessions again once a probe answers SERVING.
     replicas: how many draft replicas to look for (the app builder sets it from draft.replica.num_replicas).
     startup_wait_s: how long a starting target replica waits for them to answer (it serves target-only meanwhile)."""
     model_config = ConfigDict(frozen=True, extra="forbid")
     step_timeout_s: float = Field(1.0, gt=0)
+    prefill_token_s: float = Field(0.005, ge=0)
     probe_timeout_s: float = Field(2.0, gt=0)
     refresh_s: float = Field(5.0, gt=0)
     retry_s: float = Field(0.5, gt=0)

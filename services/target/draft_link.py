@@ -5,7 +5,8 @@
     it calls the Draft deployment's `address` method until every replica answered (services/target/deployment.py),
     so a restarted or replaced replica (a new address) is found without restarting the target;
   - probes each new or failed replica with standard gRPC health before it takes sessions, with a backoff that doubles
-    from `retry_s` to `max_retry_s`, so a frozen or dead replica never stalls an engine step more than once.
+    from `retry_s` to `max_retry_s`, so a frozen or dead replica never stalls an engine step more than once; healthy
+    replicas are probed at each refresh too, so one that died while idle takes no new sessions.
 The scheduler's thread only reads `healthy()` and reports failures with `mark_failed`; nothing here blocks it.
 """
 from __future__ import annotations
@@ -25,6 +26,32 @@ from evospec.services.protocol.v1 import speculation_pb2_grpc as spec_grpc
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class StepTiming:
+    """How long a draft replica takes to answer an engine step: a moving average for steps without prefill, and
+    the extra seconds per prefilled (or caught-up) context token. A reply is late after
+    `floor_s + SLACK * expected(prefill_tokens)`: a replica that is slow but alive (a big batch, a prefill chunk on
+    a CPU, a cold start) is given its own time; only a dead or frozen one misses it."""
+    token_s: float  # prior until measured: config `prefill_token_s`
+    step_s: float = 0.0
+    SLACK = 3.0
+
+    def deadline_s(self, floor_s: float, prefill_tokens: int) -> float:
+        return floor_s + self.SLACK * (self.step_s + prefill_tokens * self.token_s)
+
+    def late(self, waited_s: float) -> None:
+        """A reply missed its deadline after `waited_s`: assume steps take that long until measured otherwise (a
+        slow replica then gets its time after one fallback; the average decays back once it answers fast)."""
+        self.step_s = max(self.step_s, waited_s)
+
+    def record(self, seconds: float, prefill_tokens: int) -> None:
+        if prefill_tokens == 0:
+            self.step_s = seconds if not self.step_s else 0.8 * self.step_s + 0.2 * seconds
+        elif self.step_s:
+            per_token = max(0.0, seconds - self.step_s) / prefill_tokens
+            self.token_s = 0.8 * self.token_s + 0.2 * per_token
+
+
 @dataclass(eq=False)
 class DraftReplica:
     """One draft replica's address and channel, and what the target knows of its health."""
@@ -36,6 +63,7 @@ class DraftReplica:
     retry_at: float = 0.0  # monotonic time of the next probe while unhealthy
     reason: str = "not probed yet"
     last_seen: float = field(default_factory=time.monotonic)  # last discovery that listed it
+    timing: StepTiming = field(default_factory=lambda: StepTiming(token_s=0.005))  # kept across reconnects
 
 
 class DraftReplicas:
@@ -112,6 +140,8 @@ class DraftReplicas:
             if refresh:
                 last_refresh = time.monotonic()
                 self._rediscover()
+                for replica in self.healthy():  # one that died while idle must not take the next sessions
+                    self._probe(replica)
                 continue  # probes of what it found happen in the next round
             for replica in due:
                 self._probe(replica)
@@ -129,7 +159,8 @@ class DraftReplicas:
                     self._replicas[address].last_seen = now
                 else:
                     channel = grpc.insecure_channel(address, options=INTERNAL_CHANNEL_OPTIONS)
-                    self._replicas[address] = DraftReplica(address, channel, spec_grpc.DraftStub(channel))
+                    self._replicas[address] = DraftReplica(address, channel, spec_grpc.DraftStub(channel),
+                                                           timing=StepTiming(token_s=self.link.prefill_token_s))
             # A failed replica that discovery no longer lists is gone for good (Serve replaced it).
             gone = [r for r in self._replicas.values() if not r.healthy and r.address not in addresses]
             for replica in gone:
@@ -150,6 +181,8 @@ class DraftReplicas:
                     log.warning("draft replica %s is back", replica.address)
                 replica.healthy, replica.failures, replica.reason = True, 0, ""
             else:
+                if replica.healthy:
+                    log.warning("draft replica %s failed its health probe: %s", replica.address, reason)
                 self._set_failed(replica, reason)
             self._wake.notify_all()  # wait_healthy
 

@@ -181,22 +181,11 @@ class _MuxStream:
 class _Link:
     """The multiplexed stream to one draft replica, the sessions it holds and the ops queued for it."""
 
-    SLACK = 3.0  # a reply may take this many times the replica's usual step before it counts as failed
-
     def __init__(self, replica: DraftReplica):
         self.replica = replica
         self.stream = _MuxStream(replica.stub)
         self.sessions: set[str] = set()
         self.ops: list[spec_pb.SessionOp] = []
-        self.step_seconds = 0.0  # moving average of this replica's reply time to a step
-
-    def deadline(self, sent: float, floor_s: float) -> float:
-        """When this step's reply is late: `floor_s` (config), or longer for a replica that is slow but alive (a
-        large batch or prefill chunk on a CPU), so that only a dead or frozen replica misses it."""
-        return sent + max(floor_s, self.SLACK * self.step_seconds)
-
-    def record(self, seconds: float) -> None:
-        self.step_seconds = seconds if not self.step_seconds else 0.8 * self.step_seconds + 0.2 * seconds
 
     def take_ops(self) -> list[spec_pb.SessionOp]:
         ops, self.ops = self.ops, []
@@ -264,16 +253,20 @@ class RemoteMuxDrafter:
             if key not in requests:
                 work.setdefault(self._home[key], []).append(spec_pb.DraftWork(session_id=key, prefill_tokens=n))
         sent = [link for link in self._links.values() if link in work or link.ops]
+        prefill_tokens = {link: sum(w.prefill_tokens for w in work.get(link, [])) for link in sent}
         start = time.monotonic()
         for link in sent:  # every replica drafts at the same time
             link.stream.send(spec_pb.TargetStep(ops=link.take_ops(), work=work.get(link, [])))
         for link in sent:
+            timing = link.replica.timing
             try:
-                reply = self._read_owed(link, link.deadline(start, self.step_timeout_s))
+                reply = self._read_owed(link, start + timing.deadline_s(self.step_timeout_s, prefill_tokens[link]))
             except DraftStreamError as exc:
+                if exc.code_name == "DEADLINE_EXCEEDED":  # slow or frozen: next time (after a health probe) it
+                    timing.late(time.monotonic() - start)  # gets at least this long again, plus the slack
                 self._fail_link(link, exc)
                 continue
-            link.record(time.monotonic() - start)
+            timing.record(time.monotonic() - start, prefill_tokens[link])
             self._collect_trees(reply, requests, out)
         out.update(self._errors)
         self._errors = {}

@@ -326,6 +326,40 @@ def test_a_frozen_draft_replica_stalls_nothing_and_speculation_comes_back():
         assert handle.stats.fallback_steps > 0 and handle.stats.fallback_reason
 
 
+class SlowDraftServer(DraftServer):
+    """Alive but slower than the step deadline's floor: every engine step takes `delay_s`."""
+
+    delay_s = 0.3
+
+    def run_step(self, ops, work):
+        time.sleep(self.delay_s)
+        return super().run_step(ops, work)
+
+
+def test_a_slow_but_alive_draft_replica_is_waited_for():
+    """A draft replica whose every step takes longer than step_timeout_s: after a late step or two it is given
+    its own time (measured; one step also waits for the reply to the last outcomes, so it takes two delays), and
+    speculation runs instead of falling back step after step."""
+    target, draft = random_pair(vocab=VOCAB, seed=9, eos=1)
+    local = SpeculativeDecoder(target, draft, static_ids=STATIC)
+    slow = SlowDraftServer(DraftEngine(draft), VocabPolicies(draft.head_weight, STATIC), "sha")
+    grpc_server, port = start_draft_server(slow, "127.0.0.1")
+    pool = DraftReplicas(lambda: [f"127.0.0.1:{port}"], DraftLinkConfig(step_timeout_s=0.1, retry_s=0.05))
+    try:
+        assert pool.wait_healthy(1, timeout_s=10)
+        scheduler = make_scheduler(SpeculativeDecoder(target, None, static_ids=STATIC), pool)
+        sink = TimedSink(pace_s=0.02)  # the target-only steps after the first late one take a while too
+        handle = scheduler.submit([4, 50], SamplingParams(max_tokens=40, ignore_eos=True), spec_for("frspec"), sink)
+        assert wait_for(lambda: sink.end is not None, 60)
+        scheduler.stop()
+    finally:
+        pool.close()
+        grpc_server.stop(grace=None)
+    assert sink.tokens == ar_tokens(local, [4, 50], 40)
+    assert handle.stats.draft_resumes <= 2 and handle.stats.drafted > 0  # a late step or two, then it is timed
+    assert handle.stats.fallback_steps < handle.stats.steps / 2, handle.stats
+
+
 def test_a_draft_replica_restarted_at_a_new_address_is_found_and_used():
     """The draft replica is replaced (the old address refuses, a new one appears, as when Serve restarts it):
     discovery finds the new one, and running generations as well as new requests speculate on it again."""
