@@ -28,10 +28,11 @@ class ReplicaConfig(BaseModel):
 class DraftLinkConfig(BaseModel):
     """How a target replica reaches the draft replicas (services/target/draft_link.py).
 
-    step_timeout_s / prefill_token_s: a draft replica's reply to an engine step is late after step_timeout_s plus 3x
-    what that replica usually takes for such a step (its measured step time, and its time per prefilled context
-    token, prefill_token_s until measured); the target then marks the replica failed and runs its sessions
-    target-only. So a slow but alive replica (a big batch, a CPU prefill chunk) is waited for, a frozen one is not. probe_timeout_s: limit of one discovery call or health probe. refresh_s: how often the
+    step_timeout_s / prefill_token_s: a draft replica's reply to an engine step is late after step_timeout_s, or 3x
+    what that replica usually takes for such a step when that is longer (its measured step time, and its time per
+    prefilled context token, prefill_token_s until measured); the target then marks the replica failed and runs its
+    sessions target-only. So a slow but alive replica (a big batch, a CPU prefill chunk) is waited for, a frozen one
+    is not. probe_timeout_s: limit of one discovery call or health probe. refresh_s: how often the
     replicas are rediscovered through Serve (at once after a failure). retry_s / max_retry_s: a failed replica is
     probed again after retry_s, doubling up to max_retry_s; it takes sessions again once a probe answers SERVING.
     replicas: how many draft replicas to look for (the app builder sets it from draft.replica.num_replicas).

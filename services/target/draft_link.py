@@ -30,14 +30,14 @@ log = logging.getLogger(__name__)
 class StepTiming:
     """How long a draft replica takes to answer an engine step: a moving average for steps without prefill, and
     the extra seconds per prefilled (or caught-up) context token. A reply is late after
-    `floor_s + SLACK * expected(prefill_tokens)`: a replica that is slow but alive (a big batch, a prefill chunk on
-    a CPU, a cold start) is given its own time; only a dead or frozen one misses it."""
+    `max(floor_s, SLACK * expected(prefill_tokens))`: a replica that is slow but alive (a big batch, a prefill chunk
+    on a CPU, a cold start) is given its own time; only a dead or frozen one misses it."""
     token_s: float  # prior until measured: config `prefill_token_s`
     step_s: float = 0.0
     SLACK = 3.0
 
     def deadline_s(self, floor_s: float, prefill_tokens: int) -> float:
-        return floor_s + self.SLACK * (self.step_s + prefill_tokens * self.token_s)
+        return max(floor_s, self.SLACK * (self.step_s + prefill_tokens * self.token_s))
 
     def late(self, waited_s: float) -> None:
         """A reply missed its deadline after `waited_s`: assume steps take that long until measured otherwise (a
