@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from evospec.config import SamplingParams, SpecParams
 from evospec.engine.budget import clip_depth
 from evospec.engine.draft import DraftEngine, DraftSession
 from evospec.engine.drafter import DraftRequest
@@ -76,7 +77,21 @@ class DraftServer:
         model, folder = load_model(cfg.model, "draft")
         static_ids, sha = load_static_ids(cfg.static_vocab)
         policies = VocabPolicies(model.head_weight, static_ids, load_cooc(cfg.cooc))
-        return cls(DraftEngine(model), policies, sha, str(Path(folder)))
+        server = cls(DraftEngine(model), policies, sha, str(Path(folder)))
+        server.warm_up()
+        return server
+
+    def warm_up(self) -> None:
+        """Draft one small tree per method before serving: the first forwards of a fresh process (allocations,
+        int8 kernels, lazy initialisation) are several times slower, and a target would take that for a dead
+        replica and fall back."""
+        for method in ("sd", "frspec", "evospec"):
+            request = DraftRequest(prompt_ids=[0] * 16, sampling=SamplingParams(max_tokens=8), spec=SpecParams(
+                method=method), max_len=64, seed=0)
+            step = self.run_step([Op("warm-up", "start", request)], {"warm-up": (2, 8)})["warm-up"]
+            self.close("warm-up")
+            if step.error is not None:
+                raise RuntimeError(f"draft warm-up ({method}) failed: {step.error}") from step.error
 
     def num_sessions(self) -> int:
         with self._lock:
