@@ -39,7 +39,8 @@ TWO_NODES = ({"target_node": 64.0}, {"draft_node": 64.0})
 @contextlib.contextmanager
 def local_ray(num_cpus: int = 4, nodes: tuple[dict[str, float], ...] = ()) -> Iterator[None]:
     """A private Ray cluster on this machine: one node, or one node per entry of `nodes` (its custom resources;
-    each node gets num_cpus / len(nodes) CPUs and 4 logical GPUs), to place deployments on different nodes."""
+    each node gets num_cpus / len(nodes) CPUs, and the machine's GPUs or else 4 logical ones), to place deployments on
+    different nodes."""
     prepare_environment()
     import ray
     import torch
@@ -47,9 +48,11 @@ def local_ray(num_cpus: int = 4, nodes: tuple[dict[str, float], ...] = ()) -> It
     cluster = None
     if nodes:
         from ray.cluster_utils import Cluster
+        previous_tmpdir = os.environ.get("RAY_TMPDIR")
         os.environ["RAY_TMPDIR"] = tmp  # Cluster writes its address file under $RAY_TMPDIR/ray, not the shared /tmp/ray
         os.makedirs(os.path.join(tmp, "ray"), exist_ok=True)
-        per_node = dict(num_cpus=max(1, num_cpus // len(nodes)), num_gpus=4, include_dashboard=False,
+        per_node = dict(num_cpus=max(1, num_cpus // len(nodes)), num_gpus=torch.cuda.device_count() or 4,
+                        include_dashboard=False,
                         object_store_memory=128 * 1024**2, temp_dir=tmp)
         cluster = Cluster(initialize_head=True, head_node_args={**per_node, "resources": nodes[0]})
         for resources in nodes[1:]:
@@ -65,7 +68,10 @@ def local_ray(num_cpus: int = 4, nodes: tuple[dict[str, float], ...] = ()) -> It
         ray.shutdown()
         if cluster is not None:
             cluster.shutdown()
-            os.environ.pop("RAY_TMPDIR", None)
+            if previous_tmpdir is None:
+                os.environ.pop("RAY_TMPDIR", None)
+            else:
+                os.environ["RAY_TMPDIR"] = previous_tmpdir
         shutil.rmtree(tmp, ignore_errors=True)
 
 

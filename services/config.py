@@ -32,7 +32,7 @@ class DraftLinkConfig(BaseModel):
     what that replica usually takes for such a step when that is longer (its measured step time, and its time per
     prefilled context token, prefill_token_s until measured); the target then marks the replica failed and runs its
     sessions target-only. So a slow but alive replica (a big batch, a CPU prefill chunk) is waited for, a frozen one
-    is not. probe_timeout_s: limit of one discovery call or health probe. refresh_s: how often the
+    is not. max_step_timeout_s caps that wait, whatever was measured. probe_timeout_s: limit of one discovery call or health probe. refresh_s: how often the
     replicas are rediscovered through Serve (at once after a failure). retry_s / max_retry_s: a failed replica is
     probed again after retry_s, doubling up to max_retry_s; it takes sessions again once a probe answers SERVING.
     replicas: how many draft replicas to look for (the app builder sets it from draft.replica.num_replicas).
@@ -40,6 +40,7 @@ class DraftLinkConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     step_timeout_s: float = Field(1.0, gt=0)
     prefill_token_s: float = Field(0.005, ge=0)
+    max_step_timeout_s: float = Field(10.0, gt=0)
     probe_timeout_s: float = Field(2.0, gt=0)
     refresh_s: float = Field(5.0, gt=0)
     retry_s: float = Field(0.5, gt=0)

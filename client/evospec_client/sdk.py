@@ -6,7 +6,7 @@
             print(delta.text, end="")
         print(delta.stats)          # the last delta carries finish_reason and per-request speculative stats
 
-Every call has a deadline (`timeout`). Retries (`retries`, exponential backoff from `backoff_s`): only UNAVAILABLE
+Every call has one deadline (`timeout`), retries included. Retries (`retries`, exponential backoff from `backoff_s`): only UNAVAILABLE
 (what a restarting target replica answers: "target restarting, retry"), and only before the first response arrived.
 So unary calls (`info`, `generate_once`) are retried whole, a stream only if it produced nothing yet: a generation
 that started is never silently replayed.
@@ -92,11 +92,13 @@ def _info(msg: pb.InfoResponse) -> dict:
 NOT_READY = (Unavailable, NotFound, DeadlineExceeded)
 
 
-def _retry_delay(error: Exception, started: bool, attempt: int, retries: int, backoff_s: float) -> float | None:
-    """The one retry rule of both clients: UNAVAILABLE before the first message, with exponential backoff; None = give
-    up (a generation that started is never silently replayed)."""
-    if isinstance(error, Unavailable) and not started and attempt < retries:
-        return backoff_s * 2**attempt
+def _retry_delay(error: Exception, started: bool, attempt: int, retries: int, backoff_s: float,
+                 deadline: float) -> float | None:
+    """The one retry rule of both clients: UNAVAILABLE before the first message, with exponential backoff, while the
+    call's deadline leaves room; None = give up (a generation that started is never silently replayed)."""
+    delay = backoff_s * 2**attempt
+    if isinstance(error, Unavailable) and not started and attempt < retries and time.monotonic() + delay < deadline:
+        return delay
     return None
 
 
@@ -129,8 +131,9 @@ class EvoSpecClient:
     def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs) -> Iterator[Delta]:
         """Stream a generation. kwargs: see `build_request`. Raises client.errors.* on failure."""
         request = build_request(prompt, **kwargs)
+        deadline = time.monotonic() + (timeout or self.timeout)  # one deadline for the call, retries included
         for attempt in range(self.retries + 1):
-            call = self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self.metadata)
+            call = self._stub.Generate(request, timeout=deadline - time.monotonic(), metadata=self.metadata)
             started = False
             try:
                 for msg in call:
@@ -139,7 +142,7 @@ class EvoSpecClient:
                 return
             except grpc.RpcError as err:
                 error = from_rpc_error(err)
-                delay = _retry_delay(error, started, attempt, self.retries, self.backoff_s)
+                delay = _retry_delay(error, started, attempt, self.retries, self.backoff_s, deadline)
                 if delay is None:
                     raise error from None
                 time.sleep(delay)
@@ -158,13 +161,15 @@ class EvoSpecClient:
     def info(self, timeout: float = 10.0) -> dict:
         return _info(self._unary(self._stub.Info, pb.InfoRequest(), timeout))
 
-    def _unary(self, method, request, timeout: float):
-        for attempt in range(self.retries + 1):
+    def _unary(self, method, request, timeout: float, retries: int | None = None):
+        deadline = time.monotonic() + timeout
+        retries = self.retries if retries is None else retries
+        for attempt in range(retries + 1):
             try:
-                return method(request, timeout=timeout, metadata=self.metadata)
+                return method(request, timeout=deadline - time.monotonic(), metadata=self.metadata)
             except grpc.RpcError as err:
                 error = from_rpc_error(err)
-                delay = _retry_delay(error, False, attempt, self.retries, self.backoff_s)
+                delay = _retry_delay(error, False, attempt, retries, self.backoff_s, deadline)
                 if delay is None:
                     raise error from None
                 time.sleep(delay)
@@ -175,7 +180,7 @@ class EvoSpecClient:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                return self.info(timeout=5.0)
+                return _info(self._unary(self._stub.Info, pb.InfoRequest(), 5.0, retries=0))  # this loop retries
             except NOT_READY:
                 if time.monotonic() > deadline:
                     raise
@@ -205,8 +210,9 @@ class AsyncEvoSpecClient:
                      ) -> AsyncIterator[Delta]:
         """Stream a generation. kwargs: see `build_request`. Raises evospec_client errors on failure."""
         request = build_request(prompt, **kwargs)
+        deadline = time.monotonic() + (timeout or self.timeout)  # one deadline for the call, retries included
         for attempt in range(self.retries + 1):
-            call = self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self.metadata)
+            call = self._stub.Generate(request, timeout=deadline - time.monotonic(), metadata=self.metadata)
             started = False
             try:
                 async for msg in call:
@@ -215,7 +221,7 @@ class AsyncEvoSpecClient:
                 return
             except grpc.RpcError as err:
                 error = from_rpc_error(err)
-                delay = _retry_delay(error, started, attempt, self.retries, self.backoff_s)
+                delay = _retry_delay(error, started, attempt, self.retries, self.backoff_s, deadline)
                 if delay is None:
                     raise error from None
                 await asyncio.sleep(delay)
@@ -234,13 +240,15 @@ class AsyncEvoSpecClient:
     async def info(self, timeout: float = 10.0) -> dict:
         return _info(await self._unary(self._stub.Info, pb.InfoRequest(), timeout))
 
-    async def _unary(self, method, request, timeout: float):
-        for attempt in range(self.retries + 1):
+    async def _unary(self, method, request, timeout: float, retries: int | None = None):
+        deadline = time.monotonic() + timeout
+        retries = self.retries if retries is None else retries
+        for attempt in range(retries + 1):
             try:
-                return await method(request, timeout=timeout, metadata=self.metadata)
+                return await method(request, timeout=deadline - time.monotonic(), metadata=self.metadata)
             except grpc.RpcError as err:
                 error = from_rpc_error(err)
-                delay = _retry_delay(error, False, attempt, self.retries, self.backoff_s)
+                delay = _retry_delay(error, False, attempt, retries, self.backoff_s, deadline)
                 if delay is None:
                     raise error from None
                 await asyncio.sleep(delay)
@@ -251,7 +259,7 @@ class AsyncEvoSpecClient:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                return await self.info(timeout=5.0)
+                return _info(await self._unary(self._stub.Info, pb.InfoRequest(), 5.0, retries=0))
             except NOT_READY:
                 if time.monotonic() > deadline:
                     raise

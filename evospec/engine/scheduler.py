@@ -270,9 +270,10 @@ class Scheduler:
         k = self._choose_depth([r for r in decoding if r.drafting], sum(prefills.values()))
         draft_prefill = any(self._running[key].drafted for key in prefills) or any(r.draft_lag for r in decoding)
         start = time.perf_counter()
+        drafting = {r.key for r in decoding if r.drafting}  # before _draft: a catch-up may end in it, a failure drop
         trees = self._draft(decoding, prefills, k)
         draft_seconds = time.perf_counter() - start
-        tokens, target_seconds, feedback_seconds, committed = self._verify(decoding, prefills, trees)
+        tokens, target_seconds, feedback_seconds, committed = self._verify(decoding, prefills, trees, drafting)
         if self.budget is not None and not draft_prefill:  # a draft prefill chunk would skew the per-level cost
             drafting: dict[tuple, tuple[int, int]] = {}
             for r in decoding:
@@ -416,8 +417,8 @@ class Scheduler:
                 room -= plan[request.key]
         return plan
 
-    def _verify(self, decoding: list[_Request], prefills: dict[str, int],
-                trees: dict[str, DraftTree]) -> tuple[int, float, float, int]:
+    def _verify(self, decoding: list[_Request], prefills: dict[str, int], trees: dict[str, DraftTree],
+                drafting: set[str]) -> tuple[int, float, float, int]:
         """Target forward, verification, commit, events; then the draft's feedback. Returns the target forward's
         tokens and seconds, the feedback's seconds (draft-side work, like drafting itself) and the tokens the
         decoding sessions committed."""
@@ -446,8 +447,8 @@ class Scheduler:
                 request.acceptance.record(depth, accepted)
                 if self.budget is not None:
                     self.budget.record_acceptance(request.kind, depth, accepted)
-            if request.speculative and not request.drafting:
-                stats.fallback_steps += 1
+            if request.speculative and not (request.key in drafting and request.drafted):
+                stats.fallback_steps += 1  # no tree because the draft failed or was catching up (not depth 0)
             tokens, finish = apply_stop_rules(verified.result.committed_tokens, len(request.output_ids),
                                               request.sampling, self.decoder.eos_ids)
             request.output_ids.extend(tokens)

@@ -5,6 +5,7 @@ the RPCs of evospec.v1.Generate (and grpc.health.v1.Health/Check), so those name
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import ray
@@ -25,9 +26,13 @@ def serve_discovery(draft, link: DraftLinkConfig) -> Callable[[], set[str]]:
     new. A replica that Serve restarted or replaced answers with its new address."""
     def discover() -> set[str]:
         found, error = set(), None
+        deadline = time.monotonic() + 2 * link.probe_timeout_s  # one round never holds up the health probes long
         for _ in range(4 * link.replicas + 4):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
             try:
-                found.add(draft.address.remote().result(timeout_s=link.probe_timeout_s))
+                found.add(draft.address.remote().result(timeout_s=min(link.probe_timeout_s, remaining)))
             except Exception as exc:  # noqa: BLE001 - a replica starting, frozen or dying: ask again
                 error = exc
             if len(found) >= link.replicas:

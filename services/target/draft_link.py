@@ -30,19 +30,20 @@ log = logging.getLogger(__name__)
 class StepTiming:
     """How long a draft replica takes to answer an engine step: a moving average for steps without prefill, and
     the extra seconds per prefilled (or caught-up) context token. A reply is late after
-    `max(floor_s, SLACK * expected(prefill_tokens))`: a replica that is slow but alive (a big batch, a prefill chunk
-    on a CPU, a cold start) is given its own time; only a dead or frozen one misses it."""
+    `max(floor_s, SLACK * expected(prefill_tokens))`, never later than `cap_s`: a replica that is slow but alive (a
+    big batch, a prefill chunk on a CPU, a cold start) is given its own time; only a dead or frozen one misses it."""
     token_s: float  # prior until measured: config `prefill_token_s`
+    cap_s: float = 10.0  # config `max_step_timeout_s`: no replica stalls a step longer
     step_s: float = 0.0
     SLACK = 3.0
 
     def deadline_s(self, floor_s: float, prefill_tokens: int) -> float:
-        return max(floor_s, self.SLACK * (self.step_s + prefill_tokens * self.token_s))
+        return min(self.cap_s, max(floor_s, self.SLACK * (self.step_s + prefill_tokens * self.token_s)))
 
     def late(self, waited_s: float) -> None:
         """A reply missed its deadline after `waited_s`: assume steps take that long until measured otherwise (a
         slow replica then gets its time after one fallback; the average decays back once it answers fast)."""
-        self.step_s = max(self.step_s, waited_s)
+        self.step_s = min(self.cap_s / self.SLACK, max(self.step_s, waited_s))
 
     def record(self, seconds: float, prefill_tokens: int) -> None:
         if prefill_tokens == 0:
@@ -59,7 +60,8 @@ class DraftReplica:
     channel: grpc.Channel
     stub: spec_grpc.DraftStub
     healthy: bool = False  # takes sessions only once a health probe answered SERVING
-    failures: int = 0  # consecutive failures (the backoff's exponent)
+    failures: int = 0  # failures since its last good step (the backoff's exponent; a health probe does not reset it)
+    epoch: int = 0  # bumped by each failure, so a probe that started before one cannot undo it
     retry_at: float = 0.0  # monotonic time of the next probe while unhealthy
     reason: str = "not probed yet"
     last_seen: float = field(default_factory=time.monotonic)  # last discovery that listed it
@@ -92,6 +94,11 @@ class DraftReplicas:
             self._refresh_due = True  # it may have been replaced: rediscover now
             self._wake.notify_all()
 
+    def mark_ok(self, replica: DraftReplica) -> None:
+        """The replica answered a step in time: its backoff starts over."""
+        with self._lock:
+            replica.failures = 0
+
     def wait_healthy(self, count: int = 1, timeout_s: float = 30.0) -> bool:
         """Block until `count` replicas are healthy (start-up, tests); False on timeout."""
         deadline = time.monotonic() + timeout_s
@@ -117,7 +124,7 @@ class DraftReplicas:
             self._wake.notify_all()
             replicas = list(self._replicas.values())
             self._replicas.clear()
-        self._thread.join(timeout=self.link.probe_timeout_s * 2 + 1)
+        self._thread.join(timeout=self.link.probe_timeout_s * 4 + 1)  # a discovery round, then one probe
         for replica in replicas:
             replica.channel.close()
 
@@ -154,13 +161,16 @@ class DraftReplicas:
             return
         now = time.monotonic()
         with self._lock:
+            if self._closed:
+                return
             for address in addresses:
                 if address in self._replicas:
                     self._replicas[address].last_seen = now
                 else:
                     channel = grpc.insecure_channel(address, options=INTERNAL_CHANNEL_OPTIONS)
+                    timing = StepTiming(token_s=self.link.prefill_token_s, cap_s=self.link.max_step_timeout_s)
                     self._replicas[address] = DraftReplica(address, channel, spec_grpc.DraftStub(channel),
-                                                           timing=StepTiming(token_s=self.link.prefill_token_s))
+                                                           timing=timing)
             # A failed replica that discovery no longer lists is gone for good (Serve replaced it).
             gone = [r for r in self._replicas.values() if not r.healthy and r.address not in addresses]
             for replica in gone:
@@ -168,6 +178,7 @@ class DraftReplicas:
                 replica.channel.close()
 
     def _probe(self, replica: DraftReplica) -> None:
+        epoch = replica.epoch
         try:
             reply = health_pb2_grpc.HealthStub(replica.channel).Check(health_pb2.HealthCheckRequest(),
                                                                       timeout=self.link.probe_timeout_s)
@@ -176,10 +187,12 @@ class DraftReplicas:
         except grpc.RpcError as err:
             ok, reason = False, f"health probe: {err.code().name}"
         with self._lock:
-            if ok:
-                if replica.failures:
-                    log.warning("draft replica %s is back", replica.address)
-                replica.healthy, replica.failures, replica.reason = True, 0, ""
+            if ok and replica.epoch != epoch:
+                pass  # it failed a step while the probe ran: that failure stands
+            elif ok:
+                if not replica.healthy and replica.failures:
+                    log.warning("draft replica %s answers its health probe again", replica.address)
+                replica.healthy, replica.reason = True, ""
             else:
                 if replica.healthy:
                     log.warning("draft replica %s failed its health probe: %s", replica.address, reason)
@@ -188,6 +201,7 @@ class DraftReplicas:
 
     def _set_failed(self, replica: DraftReplica, reason: str) -> None:
         replica.healthy = False
+        replica.epoch += 1
         replica.reason = reason
         replica.failures += 1
         replica.retry_at = time.monotonic() + min(self.link.max_retry_s,

@@ -149,15 +149,19 @@ class _MuxStream:
         self._in: queue.Queue = queue.Queue()
         self._call = stub.SpeculateBatch(iter(self._out.get, None))
         self.outstanding = 0  # messages sent whose reply has not been read
+        self.dead = False  # the call ended (error or end of stream): nothing more will arrive
+        self.last_arrival = 0.0  # time.monotonic() when the last reply read had arrived
         threading.Thread(target=self._read, name="draft-mux-reader", daemon=True).start()
 
     def _read(self) -> None:
         try:
             for msg in self._call:
-                self._in.put(msg)
-            self._in.put(DraftStreamError("draft: stream ended", "UNAVAILABLE"))
+                self._in.put((msg, time.monotonic()))
+            error = DraftStreamError("draft: stream ended", "UNAVAILABLE")
         except grpc.RpcError as err:
-            self._in.put(DraftStreamError(f"draft: {err.details()}", err.code().name))
+            error = DraftStreamError(f"draft: {err.details()}", err.code().name)
+        self.dead = True
+        self._in.put((error, time.monotonic()))
 
     def send(self, msg: spec_pb.TargetStep) -> None:
         self._out.put(msg)
@@ -165,7 +169,7 @@ class _MuxStream:
 
     def receive(self, deadline: float) -> spec_pb.DraftStep:
         try:
-            item = self._in.get(timeout=max(0.0, deadline - time.monotonic()))
+            item, self.last_arrival = self._in.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
             raise DraftStreamError("draft: no reply within the step deadline", "DEADLINE_EXCEEDED") from None
         if isinstance(item, Exception):
@@ -225,6 +229,7 @@ class RemoteMuxDrafter:
         healthy = self.replicas.healthy()
         if not healthy:
             raise DraftStreamError("draft: no draft replica is reachable", "UNAVAILABLE")
+        self._drop_idle_links()
         replica = min(healthy, key=lambda r: len(self._links[r.address].sessions) if r.address in self._links else 0)
         link = self._links.get(replica.address)
         if link is None:
@@ -266,7 +271,9 @@ class RemoteMuxDrafter:
                     timing.late(time.monotonic() - start)  # gets at least this long again, plus the slack
                 self._fail_link(link, exc)
                 continue
-            timing.record(time.monotonic() - start, prefill_tokens[link])
+            timing.record(link.stream.last_arrival - start, prefill_tokens[link])  # its own time, not the wait
+            if link.replica.failures:                                            # for replicas read before it
+                self.replicas.mark_ok(link.replica)
             self._collect_trees(reply, requests, out)
         out.update(self._errors)
         self._errors = {}
@@ -307,6 +314,15 @@ class RemoteMuxDrafter:
         for link in self._links.values():
             link.stream.close()
         self._links.clear()
+
+    def _drop_idle_links(self) -> None:
+        """Close streams that hold no session and lead to a replica that failed or was replaced (their reader
+        threads end), so a replica that comes back gets a fresh stream."""
+        current = {r.address: r for r in self.replicas.healthy()}
+        for address, link in list(self._links.items()):
+            if not link.sessions and (link.stream.dead or current.get(address) is not link.replica):
+                link.stream.close()
+                del self._links[address]
 
     def _read_owed(self, link: _Link, deadline: float) -> spec_pb.DraftStep:
         """Every reply still owed by `link` (earlier flushes: their buffer changes and errors are applied in order);

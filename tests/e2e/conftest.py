@@ -1,6 +1,6 @@
 """One real local Ray Serve deployment of the decoupled service for the whole e2e session, on two Ray nodes.
 
-The cluster has two nodes on this machine (ray.cluster_utils.Cluster), each with one logical GPU and a custom
+The cluster has two nodes on this machine (ray.cluster_utils.Cluster), each with logical GPUs and a custom
 resource (`target_node`, `draft_node`); config pins Target to one and Draft to the other, so every e2e test streams
 across nodes with the production `num_gpus: 1` placement. Ray lives in a private temp dir and is shut down with
 ray.shutdown() (never `ray stop`). Chaos tests (marker `chaos`) kill replicas, so they run last.

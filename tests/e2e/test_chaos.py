@@ -29,7 +29,8 @@ def test_a_frozen_draft_stalls_no_stream(client, service, references):
                                  max_tokens=MAX_TOKENS, freeze_s=3.0)
     assert figures["completed"] == figures["streams"] == 12, figures
     assert figures["greedy_identical"] == 12, figures
-    assert figures["longest_gap_s"] < 2.0, figures  # the step deadline (1 s) bounds a stall, not the freeze
+    assert figures["fell_back"] > 0 and figures["resumed"] > 0, figures  # the freeze hit streams in flight
+    assert figures["longest_gap_s"] < 2.0, figures  # the draft's step deadline bounds a stall, not the 3 s freeze
     assert figures["speculation_back_after_thaw_s"] < 30, figures
 
 
@@ -37,12 +38,12 @@ def test_a_killed_draft_breaks_no_stream_and_speculation_returns(client, service
     figures = chaos.draft_kill(client, service[1].app_name, references, streams_per_method=4, max_tokens=MAX_TOKENS)
     assert figures["completed"] == figures["streams"] == 12, figures
     assert figures["greedy_identical"] == 12, figures
-    assert figures["errors"] == [], figures
+    assert figures["fell_back"] > 0 and figures["errors"] == [], figures  # the kill hit streams in flight
     assert figures["speculation_back_after_healthy_s"] < 30, figures
 
 
 def test_a_killed_target_gives_clients_unavailable_without_internals(client, service):
     figures = chaos.target_kill(client, service[1].app_name, streams=4, max_tokens=MAX_TOKENS * 4)
+    assert figures["error_codes"] == ["UNAVAILABLE"], figures  # the kill hit streams in flight, as UNAVAILABLE only
     assert figures["leaking_internals"] == 0, figures
-    assert set(figures["error_codes"]) <= {"UNAVAILABLE"}, figures
     assert figures["answers_again_after_s"] < 30, figures
