@@ -51,6 +51,10 @@ class ServiceMetrics:
                                       "buffers.", tag_keys=tags)
         self.buffer_size = Gauge("evospec_dynamic_buffer_size", description="Dynamic buffer capacity (Dyna) of the "
                                  "last evospec request.", tag_keys=tags)
+        self.fallback_steps = Counter("evospec_draft_fallback_steps", description="Steps speculative requests ran "
+                                      "without a tree because their draft failed or was catching up.", tag_keys=tags)
+        self.draft_resumes = Counter("evospec_draft_resumes", description="Times speculation resumed on a "
+                                     "(re)connected draft replica after a fallback.", tag_keys=tags)
         self.generated_tokens = Counter("generation_tokens", description="Generated tokens.", tag_keys=tags)
         self.requests = Counter("request_success", description="Finished requests by finish reason.",
                                 tag_keys=(*tags, "finished_reason"))
@@ -81,6 +85,10 @@ class ServiceMetrics:
             self.buffer_updates.inc(stats.buffer_updates, t)
         if method == "evospec":
             self.buffer_size.set(dynamic_size, t)
+        if stats.fallback_steps:
+            self.fallback_steps.inc(stats.fallback_steps, t)
+        if stats.draft_resumes:
+            self.draft_resumes.inc(stats.draft_resumes, t)
         if stats.generated_tokens:
             self.generated_tokens.inc(stats.generated_tokens, t)
         self.requests.inc(1, {**t, "finished_reason": finish_reason})
