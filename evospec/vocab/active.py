@@ -54,13 +54,19 @@ class ActiveVocab:
                            torch.zeros(slots, dtype=torch.bool, device=head_weight.device),
                            torch.zeros(slots, dtype=torch.float32, device=head_weight.device))
 
-    def set_dynamic(self, head_weight: torch.Tensor, slot: int, token_id: int, bias: float = 0.0) -> None:
-        """Put token_id in dynamic slot `slot` (-1 empties it) with a logit bias."""
-        self.row_ids[self.num_static + slot] = token_id
-        if token_id >= 0:
-            self.dynamic_rows[slot] = head_weight[token_id]
-        self.dynamic_valid[slot] = token_id >= 0
-        self.dynamic_bias[slot] = bias
+    def set_dynamic_many(self, head_weight: torch.Tensor, slots: list[int], token_ids: list[int],
+                         biases: list[float]) -> None:
+        """Several dynamic slots at once (distinct slots; token id -1 empties one): one gather of the changed rows."""
+        if not slots:
+            return
+        device = self.row_ids.device
+        slot_t = torch.tensor(slots, device=device)  # [c]
+        ids_t = torch.tensor(token_ids, device=device)  # [c]
+        valid = ids_t >= 0
+        self.row_ids[self.num_static + slot_t] = ids_t
+        self.dynamic_rows[slot_t[valid]] = head_weight[ids_t[valid]]  # [c', hidden]
+        self.dynamic_valid[slot_t] = valid
+        self.dynamic_bias[slot_t] = torch.tensor(biases, dtype=torch.float32, device=device)
 
 
 def full_vocab(head_weight: torch.Tensor) -> ActiveVocab:

@@ -9,7 +9,10 @@ Scoring, merge and eviction (our choices; the paper gives none):
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -24,9 +27,9 @@ class DynamicBuffer:
         self.capacity = capacity
         self.min_residency = min_residency
         self.decay = decay
-        self.ids = [-1] * capacity
-        self.scores = [0.0] * capacity
-        self.inserted_at = [0] * capacity
+        self.ids = np.full(capacity, -1, dtype=np.int64)
+        self.scores = np.zeros(capacity)
+        self.inserted_at = np.zeros(capacity, dtype=np.int64)
         self.slot_of: dict[int, int] = {}
         self.evictions = 0
 
@@ -37,35 +40,41 @@ class DynamicBuffer:
         return len(self.slot_of)
 
     def merge(self, candidates: dict[int, float], step: int) -> list[SlotChange]:
-        """Decay residents, refresh those proposed again, insert/evict for new ones (best first). -> slot changes."""
-        self.scores = [s * self.decay for s in self.scores]
+        """Decay residents, refresh those proposed again, insert/evict for new ones (best first). -> slot changes.
+
+        Cost: O(capacity) vectorized plus O(new candidates x log capacity); the only Python loop is over candidates
+        (free slots in index order, then a heap of evictable slots by (score, slot): the weakest, lowest slot first)."""
+        self.scores *= self.decay
         fresh = []
         for tok, score in candidates.items():
             slot = self.slot_of.get(tok)
             if slot is None:
                 fresh.append((score, tok))
-            else:
-                self.scores[slot] = max(self.scores[slot], score)
+            elif score > self.scores[slot]:
+                self.scores[slot] = score
+        if not fresh:
+            return []
+        free = np.flatnonzero(self.ids < 0).tolist()
+        evictable: list[tuple[float, int]] | None = None  # built only when free slots run out
         changes: list[SlotChange] = []
         for score, tok in sorted(fresh, reverse=True):
-            slot = self._slot_for(score, step)
-            if slot is None:
-                break  # candidates are sorted: no later one can win a slot either
-            old = self.ids[slot]
+            if free:
+                slot = free.pop(0)
+            else:
+                if evictable is None:
+                    old_enough = np.flatnonzero(step - self.inserted_at >= self.min_residency)
+                    evictable = list(zip(self.scores[old_enough].tolist(), old_enough.tolist()))
+                    heapq.heapify(evictable)
+                if not evictable or evictable[0][0] >= score:
+                    break  # candidates are sorted: no later one can win a slot either
+                slot = heapq.heappop(evictable)[1]
+            old = int(self.ids[slot])
             if old >= 0:
                 del self.slot_of[old]
                 self.evictions += 1
             self.ids[slot], self.scores[slot], self.inserted_at[slot] = tok, score, step
             self.slot_of[tok] = slot
+            if evictable is not None and self.min_residency <= 0:
+                heapq.heappush(evictable, (score, slot))  # evictable at once, as any slot old enough
             changes.append(SlotChange(slot, tok, old))
         return changes
-
-    def _slot_for(self, score: float, step: int) -> int | None:
-        free = next((i for i, t in enumerate(self.ids) if t < 0), None)
-        if free is not None:
-            return free
-        evictable = [i for i in range(self.capacity) if step - self.inserted_at[i] >= self.min_residency]
-        if not evictable:
-            return None
-        weakest = min(evictable, key=lambda i: self.scores[i])
-        return weakest if self.scores[weakest] < score else None

@@ -168,10 +168,12 @@ class EvoSessionVocab:
         return bool(self._mask[tok]) and tok not in self.buffer
 
     def apply(self, changes: list[SlotChange], confirmed: set[int]) -> None:
-        for ch in changes:
-            if ch.evicted >= 0:
-                self._mask[ch.evicted] = False
-            bias = 0.0 if ch.token_id in confirmed else self.policy.settings.unconfirmed_bias
-            self.active.set_dynamic(self.policy.head_weight, ch.slot, ch.token_id, bias)
-            if ch.token_id >= 0:
-                self._mask[ch.token_id] = True
+        """The merge's slot changes into A's rows (one gather) and the membership mask."""
+        if not changes:
+            return
+        penalty = self.policy.settings.unconfirmed_bias
+        self.active.set_dynamic_many(self.policy.head_weight, [c.slot for c in changes],
+                                     [c.token_id for c in changes],
+                                     [0.0 if c.token_id in confirmed else penalty for c in changes])
+        self._mask[torch.tensor([c.evicted for c in changes if c.evicted >= 0], dtype=torch.long)] = False
+        self._mask[torch.tensor([c.token_id for c in changes if c.token_id >= 0], dtype=torch.long)] = True

@@ -1,4 +1,6 @@
 """EvoSpec: dynamic buffer eviction and residency, retrieval sources, update ordering, losslessness."""
+import random
+
 import numpy as np
 import pytest
 import torch
@@ -35,6 +37,52 @@ def test_buffer_keeps_residents_that_outscore_candidates_and_refreshes_them():
     buf.merge({7: 9.0}, step=2)  # refreshed
     assert buf.merge({8: 3.0}, step=3) == []  # 9.0 * 0.5 = 4.5 > 3.0
     assert [c.token_id for c in buf.merge({8: 5.0}, step=4)] == [8]
+
+
+class ReferenceBuffer:
+    """The buffer's policy written plainly (a scan of every slot per candidate): the oracle of DynamicBuffer."""
+
+    def __init__(self, capacity, min_residency, decay):
+        self.capacity, self.min_residency, self.decay = capacity, min_residency, decay
+        self.ids, self.scores, self.inserted_at, self.slot_of = [-1] * capacity, [0.0] * capacity, [0] * capacity, {}
+
+    def merge(self, candidates, step):
+        self.scores = [s * self.decay for s in self.scores]
+        fresh = []
+        for tok, score in candidates.items():
+            slot = self.slot_of.get(tok)
+            if slot is None:
+                fresh.append((score, tok))
+            else:
+                self.scores[slot] = max(self.scores[slot], score)
+        changes = []
+        for score, tok in sorted(fresh, reverse=True):
+            free = next((i for i, t in enumerate(self.ids) if t < 0), None)
+            if free is None:
+                evictable = [i for i in range(self.capacity) if step - self.inserted_at[i] >= self.min_residency]
+                weakest = min(evictable, key=lambda i: self.scores[i]) if evictable else None
+                free = weakest if weakest is not None and self.scores[weakest] < score else None
+            if free is None:
+                break
+            old = self.ids[free]
+            self.slot_of.pop(old, None)
+            self.ids[free], self.scores[free], self.inserted_at[free] = tok, score, step
+            self.slot_of[tok] = free
+            changes.append((free, tok, old))
+        return changes
+
+
+@pytest.mark.parametrize("capacity,min_residency,decay", [(1, 0, 0.5), (4, 0, 1.0), (8, 2, 0.9), (32, 4, 0.9)])
+def test_buffer_merge_equals_the_plain_policy(capacity, min_residency, decay):
+    """Random candidate streams with many score ties: the vectorized buffer makes exactly the plain policy's
+    choices (slots, evictions, order)."""
+    rng = random.Random(capacity * 100 + min_residency)
+    fast, slow = DynamicBuffer(capacity, min_residency, decay), ReferenceBuffer(capacity, min_residency, decay)
+    for step in range(300):
+        candidates = {rng.randrange(60): float(rng.randrange(6)) for _ in range(rng.randrange(0, 12))}
+        got = [(c.slot, c.token_id, c.evicted) for c in fast.merge(candidates, step)]
+        assert got == slow.merge(candidates, step), step
+        assert fast.slot_of == slow.slot_of
 
 
 def test_statistical_counts_decay_and_stay_in_long_tail():
