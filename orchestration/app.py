@@ -4,12 +4,9 @@
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 from ray.serve import Application
 
-from evospec.loading import given_or_packaged
-from evospec.orchestration.config import CONFIG_DIR, AppConfig
+from evospec.orchestration.config import AppConfig
 from evospec.services.config import ReplicaConfig
 from evospec.services.draft.deployment import DraftDeployment
 from evospec.services.target.deployment import TargetDeployment
@@ -43,17 +40,9 @@ def build_app(cfg: AppConfig) -> Application:
         draft, target.model_dump(mode="json"))
 
 
-def resolve_config_path(path: str) -> Path:
-    """A path as given, else a file of orchestration/configs/ (so installed packages find their YAMLs)."""
-    resolved = given_or_packaged(path, CONFIG_DIR)
-    if not resolved.exists():
-        raise FileNotFoundError(f"config {path} not found (nor {CONFIG_DIR / Path(path).name})")
-    return resolved
-
-
 def app_builder(args: dict) -> Application:
     """Serve app builder: `config=<yaml>` and/or inline overrides of AppConfig fields."""
     args = dict(args)
     path = args.pop("config", None)
-    base = AppConfig.from_yaml(resolve_config_path(path)).model_dump() if path else {}
+    base = AppConfig.from_yaml(path).model_dump() if path else {}
     return build_app(AppConfig(**{**base, **args}))

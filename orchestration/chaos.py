@@ -37,16 +37,14 @@ INTERNALS = ("actor", "pid", "namespace", "ray::", "Traceback", "SERVE_REPLICA")
 
 # ---- the cluster side ------------------------------------------------------------------------------------------------
 def replica_actors(app: str, deployment: str) -> list:
-    """Handles of a deployment's live replica actors (Serve names them SERVE_REPLICA::<app>#<deployment>#<id>)."""
+    """Handles of a deployment's live replica actors."""
     import ray
-    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
     actors = []
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry["name"].startswith(prefix):
-            try:
-                actors.append(ray.get_actor(entry["name"], namespace=entry["namespace"]))
-            except ValueError:
-                continue  # died meanwhile
+    for entry in _replica_entries(app, deployment):
+        try:
+            actors.append(ray.get_actor(entry["name"], namespace=entry["namespace"]))
+        except ValueError:
+            continue  # died meanwhile
     return actors
 
 
@@ -56,9 +54,14 @@ def replica_pid(actor) -> int:
 
 
 def replica_names(app: str, deployment: str) -> set[str]:
+    return {entry["name"] for entry in _replica_entries(app, deployment)}
+
+
+def _replica_entries(app: str, deployment: str) -> list[dict]:
+    """A deployment's live replica actors as Ray lists them (Serve names them SERVE_REPLICA::<app>#<deployment>#<id>)."""
     import ray
     prefix = f"SERVE_REPLICA::{app}#{deployment}#"
-    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)}
+    return [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
 
 
 def kill_replica(app: str, deployment: str) -> None:

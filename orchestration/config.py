@@ -13,6 +13,15 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "cpu-tiny.yaml"  # what tests, benchmarks and `evospec serve` start by default
 
 
+def resolve_config_path(path: str | Path) -> Path:
+    """A path as given, else a file of orchestration/configs/ (so installed packages find their YAMLs by name)."""
+    from evospec.loading import given_or_packaged
+    resolved = given_or_packaged(path, CONFIG_DIR)
+    if not resolved.exists():
+        raise FileNotFoundError(f"config {path} not found (nor {CONFIG_DIR / Path(path).name})")
+    return resolved
+
+
 def config_for_pair(pair: str) -> Path:
     """The CPU service config of a pair: orchestration/configs/cpu-<pair>.yaml."""
     path = CONFIG_DIR / f"cpu-{pair}.yaml"
@@ -41,5 +50,4 @@ class AppConfig(BaseModel):
     @classmethod
     def from_yaml(cls, path: str | Path) -> "AppConfig":
         """A YAML path, or the name of a file of orchestration/configs/ (e.g. cpu-qwen2.5-coder.yaml)."""
-        from evospec.loading import given_or_packaged
-        return cls(**(yaml.safe_load(given_or_packaged(path, CONFIG_DIR).read_text()) or {}))
+        return cls(**(yaml.safe_load(resolve_config_path(path).read_text()) or {}))

@@ -32,8 +32,8 @@ class DraftLinkConfig(BaseModel):
     what that replica usually takes for such a step when that is longer (its measured step time, and its time per
     prefilled context token, prefill_token_s until measured); the target then marks the replica failed and runs its
     sessions target-only. So a slow but alive replica (a big batch, a CPU prefill chunk) is waited for, a frozen one
-    is not. max_step_timeout_s caps that wait, whatever was measured. probe_timeout_s: limit of one discovery call or health probe. refresh_s: how often the
-    replicas are rediscovered through Serve (at once after a failure). retry_s / max_retry_s: a failed replica is
+    is not. max_step_timeout_s caps that wait, whatever was measured. probe_timeout_s: limit of one discovery call
+    or health probe. refresh_s: how often the replicas are rediscovered through Serve (at once after a failure). retry_s / max_retry_s: a failed replica is
     probed again after retry_s, doubling up to max_retry_s; it takes sessions again once a probe answers SERVING.
     replicas: how many draft replicas to look for (the app builder sets it from draft.replica.num_replicas).
     startup_wait_s: how long a starting target replica waits for them to answer (it serves target-only meanwhile)."""

@@ -267,21 +267,22 @@ class Scheduler:
             return
         prefills = self._plan_prefill()
         decoding = [r for r in self._running.values() if r.target.prefill_remaining == 0]
-        k = self._choose_depth([r for r in decoding if r.drafting], sum(prefills.values()))
+        drafting = [r for r in decoding if r.drafting]  # before _draft: a catch-up may end in it, a failure drop
+        k = self._choose_depth(drafting, sum(prefills.values()))
         draft_prefill = any(self._running[key].drafted for key in prefills) or any(r.draft_lag for r in decoding)
         start = time.perf_counter()
-        drafting = {r.key for r in decoding if r.drafting}  # before _draft: a catch-up may end in it, a failure drop
         trees = self._draft(decoding, prefills, k)
         draft_seconds = time.perf_counter() - start
-        tokens, target_seconds, feedback_seconds, committed = self._verify(decoding, prefills, trees, drafting)
+        tokens, target_seconds, feedback_seconds, committed = self._verify(decoding, prefills, trees,
+                                                                           {r.key for r in drafting})
         if self.budget is not None and not draft_prefill:  # a draft prefill chunk would skew the per-level cost
-            drafting: dict[tuple, tuple[int, int]] = {}
+            drafted_rows: dict[tuple, tuple[int, int]] = {}  # kind -> (sessions, rows per level) that got trees
             for r in decoding:
                 if r.key in trees:
-                    sessions, rows = drafting.get(r.kind, (0, 0))
+                    sessions, rows = drafted_rows.get(r.kind, (0, 0))
                     width = 1 if r.spec.tree.shape == "chain" else r.spec.tree.branching
-                    drafting[r.kind] = (sessions + 1, rows + width)
-            self.budget.record_step(tokens, target_seconds, k if trees else 0, drafting,
+                    drafted_rows[r.kind] = (sessions + 1, rows + width)
+            self.budget.record_step(tokens, target_seconds, k if trees else 0, drafted_rows,
                                     draft_seconds + feedback_seconds)
             speculative = [r for r in decoding if r.drafting]
             if not prefills and speculative:

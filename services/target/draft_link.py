@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -33,12 +33,13 @@ class StepTiming:
     `max(floor_s, SLACK * expected(prefill_tokens))`, never later than `cap_s`: a replica that is slow but alive (a
     big batch, a prefill chunk on a CPU, a cold start) is given its own time; only a dead or frozen one misses it."""
     token_s: float  # prior until measured: config `prefill_token_s`
+    floor_s: float = 1.0  # config `step_timeout_s`
     cap_s: float = 10.0  # config `max_step_timeout_s`: no replica stalls a step longer
     step_s: float = 0.0
     SLACK = 3.0
 
-    def deadline_s(self, floor_s: float, prefill_tokens: int) -> float:
-        return min(self.cap_s, max(floor_s, self.SLACK * (self.step_s + prefill_tokens * self.token_s)))
+    def deadline_s(self, prefill_tokens: int) -> float:
+        return min(self.cap_s, max(self.floor_s, self.SLACK * (self.step_s + prefill_tokens * self.token_s)))
 
     def late(self, waited_s: float) -> None:
         """A reply missed its deadline after `waited_s`: assume steps take that long until measured otherwise (a
@@ -59,13 +60,12 @@ class DraftReplica:
     address: str
     channel: grpc.Channel
     stub: spec_grpc.DraftStub
+    timing: StepTiming  # kept across reconnects
     healthy: bool = False  # takes sessions only once a health probe answered SERVING
     failures: int = 0  # failures since its last good step (the backoff's exponent; a health probe does not reset it)
     epoch: int = 0  # bumped by each failure, so a probe that started before one cannot undo it
     retry_at: float = 0.0  # monotonic time of the next probe while unhealthy
     reason: str = "not probed yet"
-    last_seen: float = field(default_factory=time.monotonic)  # last discovery that listed it
-    timing: StepTiming = field(default_factory=lambda: StepTiming(token_s=0.005))  # kept across reconnects
 
 
 class DraftReplicas:
@@ -168,9 +168,9 @@ class DraftReplicas:
                     self._replicas[address].last_seen = now
                 else:
                     channel = grpc.insecure_channel(address, options=INTERNAL_CHANNEL_OPTIONS)
-                    timing = StepTiming(token_s=self.link.prefill_token_s, cap_s=self.link.max_step_timeout_s)
-                    self._replicas[address] = DraftReplica(address, channel, spec_grpc.DraftStub(channel),
-                                                           timing=timing)
+                    timing = StepTiming(token_s=self.link.prefill_token_s, floor_s=self.link.step_timeout_s,
+                                        cap_s=self.link.max_step_timeout_s)
+                    self._replicas[address] = DraftReplica(address, channel, spec_grpc.DraftStub(channel), timing)
             # A failed replica that discovery no longer lists is gone for good (Serve replaced it).
             gone = [r for r in self._replicas.values() if not r.healthy and r.address not in addresses]
             for replica in gone:

@@ -208,10 +208,9 @@ class RemoteMuxDrafter:
     read back with the next step's trees."""
 
     def __init__(self, replicas: DraftReplicas, layout_of: Callable[[SpecParams], ActiveLayout], vocab_size: int,
-                 static_vocab_sha: str, step_timeout_s: float = 1.0):
+                 static_vocab_sha: str):
         self.replicas, self.layout_of = replicas, layout_of
         self.vocab_size, self.static_vocab_sha = vocab_size, static_vocab_sha
-        self.step_timeout_s = step_timeout_s
         self.mirrors: dict[str, ActiveSetMirror] = {}
         self._wants_candidates: dict[str, bool] = {}
         self._stats: dict[str, SpecStats] = {}
@@ -229,7 +228,7 @@ class RemoteMuxDrafter:
         healthy = self.replicas.healthy()
         if not healthy:
             raise DraftStreamError("draft: no draft replica is reachable", "UNAVAILABLE")
-        self._drop_idle_links()
+        self._drop_idle_links(healthy)
         replica = min(healthy, key=lambda r: len(self._links[r.address].sessions) if r.address in self._links else 0)
         link = self._links.get(replica.address)
         if link is None:
@@ -265,7 +264,7 @@ class RemoteMuxDrafter:
         for link in sent:
             timing = link.replica.timing
             try:
-                reply = self._read_owed(link, start + timing.deadline_s(self.step_timeout_s, prefill_tokens[link]))
+                reply = self._read_owed(link, start + timing.deadline_s(prefill_tokens[link]))
             except DraftStreamError as exc:
                 if exc.code_name == "DEADLINE_EXCEEDED":  # slow or frozen: next time (after a health probe) it
                     timing.late(time.monotonic() - start)  # gets at least this long again, plus the slack
@@ -315,10 +314,10 @@ class RemoteMuxDrafter:
             link.stream.close()
         self._links.clear()
 
-    def _drop_idle_links(self) -> None:
+    def _drop_idle_links(self, healthy: list[DraftReplica]) -> None:
         """Close streams that hold no session and lead to a replica that failed or was replaced (their reader
         threads end), so a replica that comes back gets a fresh stream."""
-        current = {r.address: r for r in self.replicas.healthy()}
+        current = {r.address: r for r in healthy}
         for address, link in list(self._links.items()):
             if not link.sessions and (link.stream.dead or current.get(address) is not link.replica):
                 link.stream.close()

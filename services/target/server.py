@@ -119,8 +119,7 @@ class TargetServer:
         static_ids, sha = load_static_ids(cfg.static_vocab)
         decoder = SpeculativeDecoder(model, None, static_ids=static_ids, max_model_len=cfg.max_model_len,
                                      eos_ids=stop_token_ids(folder))
-        drafter = RemoteMuxDrafter(drafts.pool, decoder.policies.layout, decoder.target.vocab_size, sha,
-                                   cfg.draft_link.step_timeout_s)
+        drafter = RemoteMuxDrafter(drafts.pool, decoder.policies.layout, decoder.target.vocab_size, sha)
         scheduler = Scheduler(decoder, cfg.scheduler, drafter).start()
         return cls(decoder, load_tokenizer(str(folder)), drafts, scheduler, cfg.default_spec, sha, str(Path(folder)),
                    metrics)

@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from evospec.config import METHODS, SamplingParams, SpecParams
-from evospec.orchestration.app import GRPC_SERVICER_FUNCTIONS, resolve_config_path
+from evospec.orchestration.app import GRPC_SERVICER_FUNCTIONS
 from evospec.orchestration.cli import DEMO_SAMPLING, build_parser
 from evospec.orchestration.config import CONFIG_DIR, AppConfig
 from evospec.services.config import DraftServiceConfig, TargetServiceConfig
@@ -40,7 +40,7 @@ def test_serve_yaml_validates(path: Path):
     for app in schema.applications:
         module, name = app.import_path.split(":")
         assert callable(getattr(__import__(module, fromlist=[name]), name))
-        AppConfig.from_yaml(resolve_config_path(app.args["config"]))
+        AppConfig.from_yaml(app.args["config"])
 
 
 def test_unknown_and_mismatched_fields_are_refused():

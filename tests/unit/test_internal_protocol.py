@@ -116,11 +116,15 @@ async def collect(server: TargetServer, request: GenerateRequest) -> tuple[list[
     return tokens, last
 
 
+def mux_drafter(decoder: SpeculativeDecoder, pool: DraftReplicas) -> RemoteMuxDrafter:
+    return RemoteMuxDrafter(pool, decoder.policies.layout, VOCAB, "sha")
+
+
 def make_server(decoder: SpeculativeDecoder, pool: DraftReplicas, budget=None) -> TargetServer:
     async def nothing() -> int:
         return 0
-    drafter = RemoteMuxDrafter(pool, decoder.policies.layout, VOCAB, "sha", step_timeout_s=pool.link.step_timeout_s)
-    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, adaptive=False), drafter, budget=budget).start()
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, adaptive=False), mux_drafter(decoder, pool),
+                          budget=budget).start()
     return TargetServer(decoder, IdsTokenizer(), DraftSide(pool, model_name=nothing, num_sessions=nothing), scheduler)
 
 
@@ -203,9 +207,8 @@ def test_draft_stream_failures_fall_back_to_target_only(setup):
 
 
 def make_scheduler(decoder: SpeculativeDecoder, pool: DraftReplicas, **config) -> Scheduler:
-    drafter = RemoteMuxDrafter(pool, decoder.policies.layout, VOCAB, "sha", step_timeout_s=pool.link.step_timeout_s)
     config = {"kv_tokens": 16384, "adaptive": False, "draft_retry_s": 0.05, "draft_max_retry_s": 0.5, **config}
-    return Scheduler(decoder, SchedulerConfig(**config), drafter).start()
+    return Scheduler(decoder, SchedulerConfig(**config), mux_drafter(decoder, pool)).start()
 
 
 class TimedSink:

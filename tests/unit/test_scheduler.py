@@ -174,6 +174,18 @@ def test_mixed_batch_seeded_sampling_identical_to_per_request_loop(decoder):
         assert sink.tokens == oracle(decoder, prompt, sampling, spec).output_ids
 
 
+def seeded_runs(scheduler, prompt, sampling, spec, n: int, batch: int) -> list[Collector]:
+    """`n` generations of one prompt with seeds 0..n-1, `batch` at a time through the scheduler."""
+    done = []
+    for start in range(0, n, batch):
+        sinks = [Collector() for _ in range(batch)]
+        for i, sink in enumerate(sinks):
+            scheduler.submit(prompt, sampling.model_copy(update={"seed": start + i}), spec, sink)
+        scheduler.run_until_idle()
+        done += sinks
+    return done
+
+
 @pytest.mark.slow
 def test_varying_draft_depth_keeps_the_target_distribution():
     vocab, prompt = 8, [2, 5, 3]
@@ -183,14 +195,9 @@ def test_varying_draft_depth_keeps_the_target_distribution():
     scheduler = Scheduler(dec, SchedulerConfig(kv_tokens=4096), budget=RandomDepth(0))
     spec = SpecParams(method="sd", tree=TreeParams(shape="tree", depth=3, branching=2, budget=6))
     n, counts, accepted = 3000, np.zeros(vocab * vocab), 0
-    for start in range(0, n, 100):
-        sinks = [Collector() for _ in range(100)]
-        for i, sink in enumerate(sinks):
-            scheduler.submit(prompt, sampling.model_copy(update={"seed": start + i}), spec, sink)
-        scheduler.run_until_idle()
-        for sink in sinks:
-            counts[sink.tokens[0] * vocab + sink.tokens[1]] += 1
-            accepted += sink.finished.stats.accepted
+    for sink in seeded_runs(scheduler, prompt, sampling, spec, n, batch=100):
+        counts[sink.tokens[0] * vocab + sink.tokens[1]] += 1
+        accepted += sink.finished.stats.accepted
     assert accepted > n * 0.2
     assert set(scheduler.depth_histogram) == {0, 1, 2, 3}
     assert chi_square_p(counts, exact_two_token_joint(target, prompt, sampling)) > 1e-3
@@ -483,13 +490,8 @@ def test_resumed_speculation_keeps_the_target_distribution():
     flaky = scheduler.drafter = FlakyDrafter(scheduler.drafter, p=0.35, seed=2, down=0, scheduler=scheduler)
     spec = SpecParams(method="sd", tree=TreeParams(shape="tree", depth=2, branching=2, budget=4))
     n, counts = 3000, np.zeros(vocab * vocab)
-    for start in range(0, n, 150):
-        sinks = [Collector() for _ in range(150)]
-        for i, sink in enumerate(sinks):
-            scheduler.submit(prompt, sampling.model_copy(update={"seed": start + i}), spec, sink)
-        scheduler.run_until_idle()
-        for sink in sinks:
-            counts[sink.tokens[2] * vocab + sink.tokens[3]] += 1
+    for sink in seeded_runs(scheduler, prompt, sampling, spec, n, batch=150):
+        counts[sink.tokens[2] * vocab + sink.tokens[3]] += 1
     assert flaky.trees_after_resume > n * 0.1 and flaky.errors == []
     first_two = exact_two_token_joint(target, prompt, sampling)
     expected = sum(first_two[x1 * vocab + x2] * exact_two_token_joint(target, prompt + [x1, x2], sampling)
