@@ -18,11 +18,12 @@ from evospec.engine.stats import SpecStats
 
 @dataclass
 class Arm:
-    """One compared configuration. `run` (optional) replaces the in-process decoder (external peers); `decoder`
-    (optional) replaces the shared one (e.g. the same target with another draft)."""
+    """One compared configuration. `run` (optional) replaces the in-process decoder: external peers return no
+    statistics (speed only), the decoupled service returns its SpecStats; `decoder` (optional) replaces the shared
+    one (e.g. the same target with another draft)."""
     name: str
     spec: SpecParams | None = None
-    run: Callable[[list[int], SamplingParams], tuple[list[int], dict]] | None = None
+    run: Callable[[list[int], SamplingParams], tuple[list[int], SpecStats | None]] | None = None
     decoder: SpeculativeDecoder | None = None
 
 
@@ -34,15 +35,26 @@ class Cell:
     alpha: list[float] = field(default_factory=list)
     head_share: list[float] = field(default_factory=list)
     miss_rate: list[float] = field(default_factory=list)
+    recovered: list[float] = field(default_factory=list)
+    hits_statistical: list[float] = field(default_factory=list)
+    hits_semantic: list[float] = field(default_factory=list)
+    hits_target: list[float] = field(default_factory=list)
     buffer_churn: list[float] = field(default_factory=list)
     update_ms_per_step: list[float] = field(default_factory=list)
     draft_ms_per_step: list[float] = field(default_factory=list)
     verify_ms_per_step: list[float] = field(default_factory=list)
+    tau_first32: list[float] = field(default_factory=list)
+    tau_after32: list[float] = field(default_factory=list)
     outputs: list[list[int]] | None = None
 
 
-METRICS = ("tokens_per_s", "tau", "alpha", "head_share", "miss_rate", "buffer_churn", "update_ms_per_step",
-           "draft_ms_per_step", "verify_ms_per_step")
+METRICS = ("tokens_per_s", "tau", "alpha", "head_share", "miss_rate", "recovered", "hits_statistical",
+           "hits_semantic", "hits_target", "buffer_churn", "update_ms_per_step", "draft_ms_per_step",
+           "verify_ms_per_step", "tau_first32", "tau_after32")
+SUMMED = ("steps", "drafted", "accepted", "draft_seconds", "verify_seconds", "draft_head_seconds", "misses",
+          "verified_positions", "buffer_updates", "buffer_update_seconds", "buffer_hits_statistical",
+          "buffer_hits_semantic", "buffer_hits_target")
+WINDOW = 32  # tokens: τ before and after this point of an answer (how fast the buffer adapts to a new context)
 
 
 def summarize(values: list[float]) -> dict:
@@ -51,37 +63,57 @@ def summarize(values: list[float]) -> dict:
     return {"min": round(min(values), 4), "median": round(statistics.median(values), 4), "max": round(max(values), 4)}
 
 
+def generate_in_process(decoder: SpeculativeDecoder, prompt: list[int], sampling: SamplingParams,
+                        spec: SpecParams) -> tuple[list[int], SpecStats, list[int]]:
+    """-> (output, statistics, tokens committed by each step)."""
+    gen = decoder.generate(prompt, sampling, spec)
+    per_step = [len(chunk.token_ids) for chunk in gen]
+    return gen.output_ids, gen.stats, per_step
+
+
 def run_arm(decoder: SpeculativeDecoder, arm: Arm, prompts: list[list[int]],
             sampling: SamplingParams) -> tuple[dict, list[list[int]]]:
     """Generate every prompt once; returns aggregate metrics for this repeat and the outputs."""
     total = SpecStats()
-    outputs, generated = [], 0
+    outputs, generated, first, after = [], 0, [], []
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         params = sampling.model_copy(update={"seed": sampling.seed + i if sampling.seed is not None else None})
         if arm.run is not None:
             out, stats = arm.run(prompt, params)
         else:
-            gen = (arm.decoder or decoder).generate(prompt, params, arm.spec)
-            for _ in gen:
-                pass
-            out, stats = gen.output_ids, gen.stats
-            for name in ("steps", "drafted", "accepted", "draft_seconds", "verify_seconds", "draft_head_seconds",
-                         "misses", "verified_positions", "buffer_updates", "buffer_update_seconds"):
+            out, stats, per_step = generate_in_process(arm.decoder or decoder, prompt, params, arm.spec)
+            starts = [sum(per_step[:j]) for j in range(len(per_step))]
+            first += [n for n, at in zip(per_step, starts) if at < WINDOW]
+            after += [n for n, at in zip(per_step, starts) if at >= WINDOW]
+        if stats is not None:
+            for name in SUMMED:
                 setattr(total, name, getattr(total, name) + getattr(stats, name))
         outputs.append(out)
         generated += len(out)
     elapsed = time.perf_counter() - start
-    if arm.run is not None:  # external peers report speed only
+    if not total.steps:  # external peers report speed only
         return {"tokens_per_s": generated / elapsed}, outputs
-    metrics = {"tokens_per_s": generated / elapsed, "tau": total.tau, "alpha": total.alpha,
-               "head_share": total.draft_head_seconds / total.draft_seconds if total.draft_seconds else 0.0,
-               "miss_rate": total.miss_rate,
-               "buffer_churn": total.buffer_updates / total.steps if total.steps else 0.0,
-               "update_ms_per_step": 1000 * total.buffer_update_seconds / total.steps if total.steps else 0.0,
-               "draft_ms_per_step": 1000 * total.draft_seconds / total.steps if total.steps else 0.0,
-               "verify_ms_per_step": 1000 * total.verify_seconds / total.steps if total.steps else 0.0}
-    return metrics, outputs
+    return {"tokens_per_s": generated / elapsed, **step_metrics(total),
+            **({"tau_first32": statistics.mean(first)} if first else {}),
+            **({"tau_after32": statistics.mean(after)} if after else {})}, outputs
+
+
+def step_metrics(total: SpecStats) -> dict:
+    """Per-step and vocabulary metrics of summed statistics. recovered = share of the target's tokens outside S that
+    the buffer held (hits / (hits + misses)); hits_<source> = that source's share of the hits."""
+    hits = total.buffer_hits
+    per_step = 1000 / total.steps
+    return {"tau": total.tau, "alpha": total.alpha,
+            "head_share": total.draft_head_seconds / total.draft_seconds if total.draft_seconds else 0.0,
+            "miss_rate": total.miss_rate,
+            "recovered": hits / (hits + total.misses) if hits + total.misses else 0.0,
+            **{f"hits_{source}": getattr(total, f"buffer_hits_{source}") / hits if hits else 0.0
+               for source in ("statistical", "semantic", "target")},
+            "buffer_churn": total.buffer_updates / total.steps,
+            "update_ms_per_step": total.buffer_update_seconds * per_step,
+            "draft_ms_per_step": total.draft_seconds * per_step,
+            "verify_ms_per_step": total.verify_seconds * per_step}
 
 
 def run_side_by_side(decoder: SpeculativeDecoder, arms: list[Arm], prompt_sets: dict[str, list[list[int]]],

@@ -1,5 +1,9 @@
-"""Benchmark prompt sets: medical (held-out PubMedQA questions), general (Spec-Bench), topic-switch (both)."""
+"""Benchmark prompt sets: medical (held-out PubMedQA questions), code (stdlib docstrings as requests), general
+(Spec-Bench), topic-switch (medical -> code -> medical in one conversation)."""
 from __future__ import annotations
+
+import importlib
+import inspect
 
 from evospec.datasets import spec_bench_prompts, split_pubmedqa
 
@@ -25,18 +29,50 @@ def general_prompts(n: int) -> list[list[dict]]:
     return picked
 
 
+# Pure-Python stdlib modules whose public functions carry docstrings: the code set's source (it ships with Python,
+# so nothing is downloaded; the prompts follow the running Python version's docstrings).
+CODE_MODULES = ("textwrap", "statistics", "bisect", "heapq", "fnmatch", "shlex", "colorsys", "calendar", "difflib",
+                "posixpath", "base64", "html", "glob", "random", "ipaddress", "fractions", "string", "json")
+
+
+def stdlib_functions() -> list:
+    """Public functions with a docstring of at least 60 characters, round-robin over CODE_MODULES (so the first n come
+    from different modules), each module's functions in name order."""
+    per_module = []
+    for name in CODE_MODULES:
+        module = importlib.import_module(name)
+        per_module.append([fn for fname, fn in sorted(vars(module).items())
+                           if inspect.isfunction(fn) and fn.__module__ == name and not fname.startswith("_")
+                           and len(inspect.getdoc(fn) or "") >= 60])
+    return [fns[i] for i in range(max(map(len, per_module))) for fns in per_module if i < len(fns)]
+
+
+def code_request(fn) -> str:
+    return (f"Write a Python function `{fn.__name__}{inspect.signature(fn)}` that does the following.\n\n"
+            f"{inspect.getdoc(fn)}\n\nReply with the code only.")
+
+
+def code_prompts(n: int) -> list[list[dict]]:
+    """"Write this function" requests built from Python's own stdlib docstrings."""
+    return [[{"role": "user", "content": code_request(fn)}] for fn in stdlib_functions()[:n]]
+
+
 def topic_switch_prompts(n: int) -> list[list[dict]]:
-    """One conversation per prompt that moves general -> medical -> general: earlier turns (with the medical
-    abstract as an assistant answer) put long-tail medical tokens into the context the draft sees."""
+    """One conversation per prompt that moves medical -> code -> medical: a held-out PubMedQA question with its
+    answer, a stdlib "write this function" request answered with the function's real source, then another held-out
+    medical question, which the model answers. The draft's buffer starts from a context full of both domains."""
     _, held = split_pubmedqa()
-    general = general_prompts(2 * n)
+    functions = stdlib_functions()
     convs = []
     for k in range(n):
-        item = held[-1 - k]
-        convs.append([general[2 * k][0], {"role": "assistant", "content": " ".join(item["contexts"])[:1200]},
-                      {"role": "user", "content": item["question"]}, {"role": "assistant", "content": item["answer"]},
-                      general[2 * k + 1][0]])
+        first, last, fn = held[-1 - k], held[-1 - n - k], functions[-1 - k]
+        convs.append([{"role": "user", "content": first["question"]},
+                      {"role": "assistant", "content": first["answer"]},
+                      {"role": "user", "content": code_request(fn)},
+                      {"role": "assistant", "content": inspect.getsource(fn)[:1500]},
+                      {"role": "user", "content": last["question"]}])
     return convs
 
 
-PROMPT_SETS = {"medical": medical_prompts, "general": general_prompts, "topic-switch": topic_switch_prompts}
+PROMPT_SETS = {"medical": medical_prompts, "code": code_prompts, "general": general_prompts,
+               "topic-switch": topic_switch_prompts}

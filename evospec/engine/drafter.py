@@ -80,6 +80,7 @@ def observe_locally(engine: DraftEngine, session: DraftSession, verified: Verifi
     stats.buffer_updates += sum(1 for c in changes if c.token_id >= 0)
     stats.buffer_update_seconds += time.perf_counter() - start
     stats.draft_head_seconds = session.head_seconds
+    stats.set_buffer_hits(vocab.hits)
 
 
 class NoDrafter:

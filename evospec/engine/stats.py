@@ -6,6 +6,7 @@ e2e_seconds, method), and tests/unit/test_stats.py fails when the two drift. Con
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 
@@ -30,6 +31,9 @@ class SpecStats:
     fallback_steps: int = 0  # steps without a tree: the draft had failed or was catching up (lossless fallback)
     fallback_reason: str = ""  # why the draft was last dropped, "" = it never was
     draft_resumes: int = 0  # times speculation resumed on a (re)connected draft after a fallback
+    buffer_hits_statistical: int = 0  # committed tokens found in the dynamic buffer, by the source that put them there
+    buffer_hits_semantic: int = 0
+    buffer_hits_target: int = 0
 
     def record_step(self, drafted: int, accepted: int) -> None:
         self.steps += 1
@@ -39,6 +43,15 @@ class SpecStats:
             self.accepted_per_pos.append(0)
         for d in range(accepted):
             self.accepted_per_pos[d] += 1
+
+    def set_buffer_hits(self, hits: Mapping[str, int]) -> None:
+        """A session's running totals by source (statistical / semantic / target)."""
+        for source, n in hits.items():
+            setattr(self, f"buffer_hits_{source}", n)
+
+    @property
+    def buffer_hits(self) -> int:
+        return self.buffer_hits_statistical + self.buffer_hits_semantic + self.buffer_hits_target
 
     @property
     def tau(self) -> float:

@@ -1,12 +1,14 @@
 """How each method chooses the draft's active vocabulary, behind one interface (no method-string branching).
 
 A `VocabPolicy` is built once per server and method; `new_session` gives the per-generation `SessionVocab`, whose
-`active` head the draft scores and whose `observe` hook sees every verified step. Buffer updates happen only in
-`observe`, i.e. between steps: never between drafting a tree and verifying it.
+`active` head the draft scores and whose `observe` hook sees every verified step. Buffer updates are applied only in
+`observe`, i.e. between steps: never between drafting a tree and verifying it (EvoSpec computes them meanwhile).
 """
 from __future__ import annotations
 
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -16,7 +18,8 @@ from evospec.vocab.active import ActiveVocab, static_vocab
 from evospec.vocab.dynamic import DynamicBuffer, SlotChange
 from evospec.vocab.retrieval import (
     CoocIndex,
-    ExactEmbeddingIndex,
+    EmbeddingIndex,
+    NeighbourIndex,
     SemanticRetriever,
     StatisticalRetriever,
     TargetFeedback,
@@ -28,6 +31,7 @@ class SessionVocab(Protocol):
     restricted: bool  # A is a strict subset of the vocabulary (misses are possible)
     wants_target_feedback: bool  # observe() uses the target's full-vocabulary view of verified positions
     initial_changes: list[SlotChange]  # buffer fill from the prompt, before the first tree
+    hits: dict[str, int]  # running totals: committed tokens found in the dynamic buffer, by retrieval source
 
     def in_active(self) -> torch.Tensor: ...  # [V] bool
 
@@ -46,6 +50,7 @@ class FixedSessionVocab:
         self.restricted = active.size < vocab_size
         self.wants_target_feedback = False
         self.initial_changes: list[SlotChange] = []
+        self.hits: dict[str, int] = {}
         self._mask = active.contains_mask(vocab_size)
 
     def in_active(self) -> torch.Tensor:
@@ -66,6 +71,9 @@ class FixedVocabPolicy:
         return self._session
 
 
+SOURCES = ("statistical", "semantic", "target")  # where a buffer id came from (hits are counted per source)
+
+
 @dataclass(frozen=True)
 class EvoSpecSettings:
     dynamic_size: int = 256
@@ -76,20 +84,28 @@ class EvoSpecSettings:
     buffer_decay: float = 0.9
     stat_decay: float = 0.95
     stat_candidates: int = 64
-    semantic_every: int = 8  # steps between semantic queries (they cost a [q, pool] matmul)
+    semantic_every: int = 8  # steps between semantic queries (each is a scan of the long-tail embedding pool)
     semantic_k: int = 32
     # Online calibration of the draft head (a bias-only adapter): ids that retrieval guessed but the target has not
     # confirmed get this logit offset; it goes to 0 once the target commits the id or reports it likely. Measured:
     # without it the tiny draft over-proposes long-tail context tokens and greedy τ falls to sd's level.
     unconfirmed_bias: float = -3.0
+    # 1 = a step's buffer update (retrieval, ranking, merge) runs on a worker thread while the next tree is drafted
+    # and verified, and is applied one step later; 0 = computed and applied at once, on the draft's critical path.
+    # Either way changes land only between steps, in the order they were computed (the buffer is a function of the
+    # committed history, not of timing), so outputs do not depend on it beyond one step of staleness.
+    update_lag: int = 1
+    update_timeout_s: float = 30.0  # a worker that has not finished a step's update by then fails the session
 
 
 class EvoSpecPolicy:
     """`evospec`: static rows shared, plus a per-session dynamic buffer fed by statistical, semantic and target
-    retrieval. Shared, built once: the long-tail mask (∉ S, trained rows only), the embedding index, co-occurrence."""
+    retrieval. Shared, built once: the long-tail mask (∉ S, trained rows only); given by the server and shared by
+    every policy: the embedding index, the co-occurrence index and the buffer worker thread."""
 
     def __init__(self, head_weight: torch.Tensor, static_ids: torch.Tensor, settings: EvoSpecSettings,
-                 cooc: CoocIndex | None = None):
+                 cooc: CoocIndex | None = None, index: NeighbourIndex | None = None,
+                 worker: Executor | None = None):
         self.head_weight = head_weight
         self.settings = settings
         self.static = static_vocab(head_weight, static_ids)
@@ -98,12 +114,19 @@ class EvoSpecPolicy:
         in_static[static_ids.cpu()] = True
         self.long_tail = ~in_static & trained_rows(head_weight)  # [V]
         self.long_tail_list = self.long_tail.tolist()  # fast per-token lookups
-        self.index = ExactEmbeddingIndex(head_weight.detach(), self.long_tail.nonzero()[:, 0]) \
+        self.index = (index or EmbeddingIndex(head_weight, self.long_tail.nonzero()[:, 0])) \
             if settings.use_semantic else None
         self.cooc = cooc
+        self.worker = worker if worker is not None or settings.update_lag == 0 else buffer_worker()
 
     def new_session(self, prompt_ids: list[int]) -> "EvoSessionVocab":
         return EvoSessionVocab(self, prompt_ids)
+
+
+def buffer_worker() -> Executor:
+    """The thread that computes buffer updates off the draft's critical path (one per server: updates are small and
+    each session has at most one in flight, so the queue is bounded by the number of sessions)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="evospec-buffer")
 
 
 def trained_rows(head_weight: torch.Tensor) -> torch.Tensor:
@@ -114,7 +137,20 @@ def trained_rows(head_weight: torch.Tensor) -> torch.Tensor:
     return (w != w[-1]).any(dim=-1).cpu()
 
 
+@dataclass(frozen=True)
+class BufferDelta:
+    """One step's buffer update, computed (possibly on the worker) from the buffer's own state: the slot changes, the
+    source that proposed each new id, each new row's logit bias, and the slots the target just vouched for."""
+    changes: list[SlotChange]
+    sources: list[str]
+    biases: list[float]
+    confirmed_slots: list[int]
+
+
 class EvoSessionVocab:
+    """One generation's A = S ∪ D. Two states: the *buffer* (retrievers + DynamicBuffer, touched only by the update
+    job, on the worker when update_lag = 1) and the *applied* A the draft scores (active rows, membership mask, the
+    source of each slot; touched only between steps, on the draft's thread)."""
     restricted = True
 
     def __init__(self, policy: EvoSpecPolicy, prompt_ids: list[int]):
@@ -125,55 +161,83 @@ class EvoSessionVocab:
         self.buffer = DynamicBuffer(s.dynamic_size, s.min_residency, s.buffer_decay)
         self.stat = StatisticalRetriever(policy.long_tail_list, s.stat_decay, policy.cooc) if s.use_statistical \
             else None
-        self.semantic = SemanticRetriever(policy.head_weight.detach(), policy.index, policy.long_tail,
-                                          k=s.semantic_k) if s.use_semantic else None
+        self.semantic = SemanticRetriever(policy.index, policy.long_tail, k=s.semantic_k) if s.use_semantic else None
         self.tokens = list(prompt_ids)
         self.step = 0
         self._mask = self.active.contains_mask(policy.head_weight.shape[0])
-        self.initial_changes = self._merge(prompt_ids, None, semantic=True, generated=False)
+        self._slot_source = [""] * s.dynamic_size  # applied: which source put each slot's id there
+        self._slot_of: dict[int, int] = {}  # applied: dynamic id -> slot
+        self.hits = dict.fromkeys(SOURCES, 0)  # committed tokens that were in D when drafted, by source
+        self._pending: Future | None = None
+        self.initial_changes = self._apply(self._update(prompt_ids, self.tokens, None, 0, semantic=True,
+                                                        generated=False))
 
     def in_active(self) -> torch.Tensor:
         return self._mask
 
     def observe(self, result: VerifyResult, feedback: TargetFeedback | None) -> list[SlotChange]:
+        """Between steps: count the step's buffer hits, apply the update that is due, start this step's update.
+        -> the slot changes applied now (the target mirrors them before the next tree)."""
+        self._count_hits(result.committed_tokens)
         self.step += 1
         self.tokens.extend(result.committed_tokens)
-        semantic = self.step % self.policy.settings.semantic_every == 0
-        return self._merge(result.committed_tokens, feedback, semantic, generated=True)
+        settings = self.policy.settings
+        job = partial(self._update, list(result.committed_tokens), self.tokens[-self.semantic_window:], feedback,
+                      self.step, self.step % settings.semantic_every == 0, True)
+        if settings.update_lag == 0:
+            return self._apply(job())
+        due = self._pending.result(timeout=settings.update_timeout_s) if self._pending is not None else None
+        self._pending = self.policy.worker.submit(job)
+        return self._apply(due) if due is not None else []
 
-    def _merge(self, new_tokens: list[int], feedback: TargetFeedback | None, semantic: bool,
-               generated: bool) -> list[SlotChange]:
-        candidates: dict[int, float] = {}
+    @property
+    def semantic_window(self) -> int:
+        return self.semantic.window if self.semantic is not None else 0
+
+    def _count_hits(self, committed: list[int]) -> None:
+        for tok in committed:
+            slot = self._slot_of.get(tok)
+            if slot is not None:
+                self.hits[self._slot_source[slot]] += 1
+
+    def _update(self, new_tokens: list[int], recent: list[int], feedback: TargetFeedback | None, step: int,
+                semantic: bool, generated: bool) -> BufferDelta:
+        """Retrieval, ranking and merge for one step (the buffer's state only). -> what to apply to A."""
+        candidates: dict[int, tuple[float, str]] = {}  # id -> (score, source of the best score)
+
+        def offer(scored: dict[int, float], source: str) -> None:
+            for tok, score in scored.items():
+                if self.policy.long_tail_list[tok] and score > candidates.get(tok, (-1.0, ""))[0]:
+                    candidates[tok] = (score, source)
         if self.stat is not None:
             self.stat.observe(new_tokens)
-            candidates.update(self.stat.candidates(self.policy.settings.stat_candidates))
+            offer(self.stat.candidates(self.policy.settings.stat_candidates), "statistical")
         if semantic and self.semantic is not None:
-            for tok, score in self.semantic.candidates(self.tokens).items():
-                candidates[tok] = max(candidates.get(tok, 0.0), score)
-        if feedback is not None:  # ids outside A by construction; top priority
-            for tok, score in feedback.candidates.items():
-                candidates[tok] = max(candidates.get(tok, 0.0), score)
-        changes = self.buffer.merge({t: s for t, s in candidates.items() if not self._in_static(t)}, self.step)
+            offer(self.semantic.candidates(recent), "semantic")
+        if feedback is not None:  # ids outside A when drafted; top priority
+            offer(feedback.candidates, "target")
+        changes = self.buffer.merge({t: score for t, (score, _) in candidates.items()}, step)
         confirmed = set(feedback.candidates) if feedback is not None else set()
         if generated:  # the target committed these tokens: confirmed
-            confirmed.update(t for t in new_tokens if t in self.buffer)
-        self.apply(changes, confirmed)
-        for tok in confirmed:  # residents the target just vouched for lose their penalty
-            slot = self.buffer.slot_of.get(tok)
-            if slot is not None:
-                self.active.dynamic_bias[slot] = 0.0
-        return changes
-
-    def _in_static(self, tok: int) -> bool:
-        return bool(self._mask[tok]) and tok not in self.buffer
-
-    def apply(self, changes: list[SlotChange], confirmed: set[int]) -> None:
-        """The merge's slot changes into A's rows (one gather) and the membership mask."""
-        if not changes:
-            return
+            confirmed.update(new_tokens)
         penalty = self.policy.settings.unconfirmed_bias
-        self.active.set_dynamic_many(self.policy.head_weight, [c.slot for c in changes],
-                                     [c.token_id for c in changes],
-                                     [0.0 if c.token_id in confirmed else penalty for c in changes])
-        self._mask[torch.tensor([c.evicted for c in changes if c.evicted >= 0], dtype=torch.long)] = False
-        self._mask[torch.tensor([c.token_id for c in changes if c.token_id >= 0], dtype=torch.long)] = True
+        return BufferDelta(changes, [candidates[c.token_id][1] for c in changes],
+                           [0.0 if c.token_id in confirmed else penalty for c in changes],
+                           [self.buffer.slot_of[t] for t in confirmed if t in self.buffer])
+
+    def _apply(self, delta: BufferDelta) -> list[SlotChange]:
+        """A delta into A's rows (one gather of the changed rows), the membership mask and the slots' sources."""
+        changes = delta.changes
+        if changes:
+            self.active.set_dynamic_many(self.policy.head_weight, [c.slot for c in changes],
+                                         [c.token_id for c in changes], delta.biases)
+            self._mask[torch.tensor([c.evicted for c in changes if c.evicted >= 0], dtype=torch.long)] = False
+            self._mask[torch.tensor([c.token_id for c in changes if c.token_id >= 0], dtype=torch.long)] = True
+            for change, source in zip(changes, delta.sources):
+                self._slot_of.pop(change.evicted, None)
+                if change.token_id >= 0:
+                    self._slot_of[change.token_id] = change.slot
+                self._slot_source[change.slot] = source
+        if delta.confirmed_slots:  # residents the target just vouched for lose their penalty
+            self.active.dynamic_bias[torch.tensor(delta.confirmed_slots, dtype=torch.long)] = 0.0
+        return changes

@@ -1,15 +1,23 @@
 """method name -> vocabulary policy. The only place that maps method strings to behaviour."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from concurrent.futures import Executor
+from dataclasses import dataclass, replace
 
 import torch
 
 from evospec.config import SpecParams
 from evospec.errors import InvalidRequestError
 from evospec.vocab.active import full_vocab, static_vocab
-from evospec.vocab.policy import EvoSpecPolicy, EvoSpecSettings, FixedVocabPolicy, VocabPolicy
-from evospec.vocab.retrieval import CoocIndex
+from evospec.vocab.policy import (
+    EvoSpecPolicy,
+    EvoSpecSettings,
+    FixedVocabPolicy,
+    VocabPolicy,
+    buffer_worker,
+    trained_rows,
+)
+from evospec.vocab.retrieval import CoocIndex, EmbeddingIndex
 
 
 @dataclass(frozen=True)
@@ -25,11 +33,14 @@ class VocabPolicies:
     """Builds each (method, sizes) policy once and caches it: gathering head rows is done once per server."""
 
     def __init__(self, head_weight: torch.Tensor | None, static_ids: torch.Tensor | None,
-                 cooc: CoocIndex | None = None):
+                 cooc: CoocIndex | None = None, evospec: EvoSpecSettings = EvoSpecSettings()):
         self.head_weight = head_weight
         self.static_ids = static_ids  # ranked by frequency, most frequent first
         self.cooc = cooc
+        self.evospec = evospec  # server-wide EvoSpec settings; requests choose sizes and retrieval sources
         self._cache: dict[tuple, VocabPolicy] = {}
+        self._index: EmbeddingIndex | None = None  # built on first use, shared by every EvoSpec policy
+        self._worker: Executor | None = None
 
     def _static_prefix(self, k: int) -> torch.Tensor:
         if self.static_ids is None:
@@ -62,9 +73,14 @@ class VocabPolicies:
         layout = self.layout(spec)
         if spec.method == "evospec":
             v = spec.vocab
-            settings = EvoSpecSettings(dynamic_size=v.dynamic_size, use_statistical="statistical" in v.retrieval,
-                                       use_semantic="semantic" in v.retrieval, use_target=layout.target_feedback)
-            return EvoSpecPolicy(self.head_weight, layout.static_ids, settings, self.cooc)
+            settings = replace(self.evospec, dynamic_size=v.dynamic_size,
+                               use_statistical="statistical" in v.retrieval, use_semantic="semantic" in v.retrieval,
+                               use_target=layout.target_feedback)
+            if settings.use_semantic and self._index is None:
+                self._index = EmbeddingIndex(self.head_weight, trained_rows(self.head_weight).nonzero()[:, 0])
+            if settings.update_lag and self._worker is None:
+                self._worker = buffer_worker()
+            return EvoSpecPolicy(self.head_weight, layout.static_ids, settings, self.cooc, self._index, self._worker)
         active = full_vocab(self.head_weight) if layout.static_ids is None \
             else static_vocab(self.head_weight, layout.static_ids)
         return FixedVocabPolicy(active, self.head_weight.shape[0])

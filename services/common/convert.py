@@ -11,6 +11,7 @@ from evospec.services.protocol.v1 import speculation_pb2 as spec_pb
 from evospec.tree import DraftTree
 from evospec.verify import VerifyResult
 from evospec.vocab.dynamic import SlotChange
+from evospec.vocab.policy import SOURCES
 
 
 def start_to_proto(session_id: str, request: DraftRequest) -> spec_pb.TargetToDraft:
@@ -48,6 +49,15 @@ def tree_to_proto(tree: DraftTree, changes: list[SlotChange]) -> spec_pb.DraftTo
     for node, probs in tree.draft_probs.items():
         msg.draft_probs.add(node=node, probs=probs.float().cpu().tolist())
     return msg
+
+
+def set_buffer_hits(msg: spec_pb.DraftToTarget, hits: dict[str, int]) -> None:
+    for source, n in hits.items():
+        setattr(msg, f"buffer_hits_{source}", n)
+
+
+def buffer_hits(msg: spec_pb.DraftToTarget) -> dict[str, int]:
+    return {source: getattr(msg, f"buffer_hits_{source}") for source in SOURCES}
 
 
 def tree_from_proto(msg: spec_pb.DraftToTarget, active_ids: torch.Tensor | None) -> DraftTree:

@@ -32,6 +32,7 @@ class DraftReply:
     changes: list[SlotChange]
     head_seconds: float  # draft LM-head time so far
     buffer_update_seconds: float  # draft-side buffer update time so far
+    buffer_hits: dict[str, int]  # committed tokens found in the buffer so far, by retrieval source
 
 
 @dataclass
@@ -42,6 +43,7 @@ class SessionStep:
     tree: DraftTree | None = None
     head_seconds: float = 0.0
     buffer_update_seconds: float = 0.0
+    buffer_hits: dict[str, int] = field(default_factory=dict)
     error: Exception | None = None
 
 
@@ -144,6 +146,7 @@ class DraftServer:
             session = self._sessions.get(sid)
             if session is not None:
                 entry.head_seconds, entry.buffer_update_seconds = session.draft.head_seconds, session.update_seconds
+                entry.buffer_hits = dict(session.draft.vocab.hits)
         return out
 
     def _create(self, session_id: str, request: DraftRequest) -> _Session:
@@ -184,4 +187,5 @@ class DraftServer:
 
     def _reply(self, session: _Session, changes: list[SlotChange]) -> DraftReply:
         tree = self.engine.propose(session.draft)
-        return DraftReply(tree, changes, session.draft.head_seconds, session.update_seconds)
+        return DraftReply(tree, changes, session.draft.head_seconds, session.update_seconds,
+                          dict(session.draft.vocab.hits))

@@ -19,6 +19,7 @@ from evospec.errors import InvalidRequestError
 from evospec.services.common.convert import (
     outcome_from_proto,
     session_op_from_proto,
+    set_buffer_hits,
     start_from_proto,
     tree_to_proto,
 )
@@ -35,6 +36,7 @@ def reply_to_proto(reply: DraftReply) -> spec_pb.DraftToTarget:
     msg = tree_to_proto(reply.tree, reply.changes)
     msg.head_seconds = reply.head_seconds
     msg.buffer_update_seconds = reply.buffer_update_seconds
+    set_buffer_hits(msg, reply.buffer_hits)
     return msg
 
 
@@ -112,6 +114,7 @@ def session_to_proto(session_id: str, step: SessionStep) -> spec_pb.SessionDraft
         spec_pb.DraftToTarget(buffer_changes=[spec_pb.SlotChange(slot=c.slot, token_id=c.token_id)
                                               for c in step.changes])
     reply.head_seconds, reply.buffer_update_seconds = step.head_seconds, step.buffer_update_seconds
+    set_buffer_hits(reply, step.buffer_hits)
     return spec_pb.SessionDraft(session_id=session_id, reply=reply, has_tree=step.tree is not None)
 
 

@@ -25,6 +25,7 @@ from evospec.engine.target import VerifiedStep
 from evospec.errors import EvoSpecError
 from evospec.kernels.tree import tree_depths
 from evospec.services.common.convert import (
+    buffer_hits,
     outcome_to_proto,
     session_op_to_proto,
     start_to_proto,
@@ -117,6 +118,7 @@ class RemoteDrafter:
             self._stats.buffer_updates += sum(1 for c in msg.buffer_changes if c.token_id >= 0)
             self._stats.draft_head_seconds = msg.head_seconds
             self._stats.buffer_update_seconds = self._feedback_seconds + msg.buffer_update_seconds
+            self._stats.set_buffer_hits(buffer_hits(msg))
         return msg
 
     def propose(self) -> DraftTree:
@@ -371,6 +373,7 @@ class RemoteMuxDrafter:
                 stats.buffer_updates += sum(1 for c in session.reply.buffer_changes if c.token_id >= 0)
                 stats.draft_head_seconds = session.reply.head_seconds
                 stats.buffer_update_seconds = self._feedback_seconds[key] + session.reply.buffer_update_seconds
+                stats.set_buffer_hits(buffer_hits(session.reply))
 
 
 def checked_tree(tree: DraftTree, params: TreeParams) -> DraftTree:

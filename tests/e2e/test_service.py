@@ -47,7 +47,8 @@ def test_decoupled_stats_equal_in_process_stats(client, in_process, method):
     list(gen)
     out = client.generate(messages=MESSAGES, max_tokens=40, method=method, static_size=8192, dynamic_size=256)
     local = gen.stats.as_dict()
-    for key in ("steps", "drafted", "accepted", "accepted_per_pos", "misses", "verified_positions", "buffer_updates"):
+    for key in ("steps", "drafted", "accepted", "accepted_per_pos", "misses", "verified_positions", "buffer_updates",
+                "buffer_hits_statistical", "buffer_hits_semantic", "buffer_hits_target"):
         assert out.stats.get(key, 0 if key != "accepted_per_pos" else []) == local[key], key
     assert set(out.stats) >= set(local)  # every statistic the engine measures reaches the client
     assert out.stats["draft_head_seconds"] > 0 and out.stats["buffer_update_seconds"] > 0

@@ -10,12 +10,13 @@ from evospec.engine.generate import SpeculativeDecoder
 from evospec.testing import chi_square_p, exact_two_token_joint, random_pair
 from evospec.verify import VerifyResult
 from evospec.vocab.dynamic import DynamicBuffer
-from evospec.vocab.policy import EvoSpecPolicy, EvoSpecSettings
+from evospec.vocab.policy import SOURCES, EvoSpecPolicy, EvoSpecSettings
 from evospec.vocab.retrieval import (
     TARGET_PRIORITY,
     CoocIndex,
-    ExactEmbeddingIndex,
+    EmbeddingIndex,
     StatisticalRetriever,
+    TargetFeedback,
     target_feedback,
 )
 
@@ -102,11 +103,31 @@ def test_cooc_index_expands_seen_tokens():
     assert sorted(zip(ids.tolist(), w.tolist())) == [(3, 0.25), (3, 1.0), (4, 0.5)]
 
 
-def test_semantic_index_returns_nearest_rows():
+def test_semantic_index_returns_nearest_allowed_rows():
     emb = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.9, 0.1], [-1.0, 0.0]])
-    index = ExactEmbeddingIndex(emb, torch.tensor([1, 2, 3]))
-    ids, sims = index.query(torch.tensor([[1.0, 0.05]]), k=2)
+    index = EmbeddingIndex(emb, torch.tensor([0, 1, 2, 3]))
+    allowed = torch.tensor([False, True, True, True])  # 0 is the nearest row but not allowed (in S)
+    ids, sims = index.query(torch.tensor([[1.0, 0.05]]), k=2, allowed=allowed)
     assert ids.tolist() == [[2, 1]] and sims[0, 0] > 0.99
+
+
+def test_low_rank_index_finds_the_exact_neighbours_with_exact_scores():
+    """Rows near a 12-dim subspace of a 96-dim space (as real embeddings concentrate): the 16-dim scan plus exact
+    re-ranking returns the exact search's neighbours and cosines."""
+    gen = torch.Generator().manual_seed(0)
+    basis = torch.randn(12, 96, generator=gen)
+    emb = torch.randn(3000, 12, generator=gen) @ basis + 0.05 * torch.randn(3000, 96, generator=gen)
+    pool = torch.arange(3000)
+    allowed = torch.rand(3000, generator=gen) < 0.7
+    exact, low = EmbeddingIndex(emb, pool, rank=96), EmbeddingIndex(emb, pool, rank=16, oversample=4)
+    assert exact.projection is None and low.projection.shape == (96, 16)
+    queries = emb[:20] + 0.1 * torch.randn(20, 96, generator=gen)
+    want_ids, want_sims = exact.query(queries, 8, allowed)
+    got_ids, got_sims = low.query(queries, 8, allowed)
+    assert bool(allowed[got_ids].all())
+    recall = np.mean([len(set(g) & set(w)) / 8 for g, w in zip(got_ids.tolist(), want_ids.tolist())])
+    assert recall >= 0.95
+    assert torch.allclose(got_sims[:, 0], want_sims[:, 0], atol=1e-5)
 
 
 def test_target_feedback_reports_misses_and_likely_outsiders():
@@ -121,6 +142,25 @@ def test_target_feedback_reports_misses_and_likely_outsiders():
     assert fb.candidates[2] == pytest.approx(TARGET_PRIORITY + 0.2)
     only_misses = target_feedback(logits, [0, 4], in_active, with_candidates=False)
     assert (only_misses.misses, only_misses.candidates) == (1, {})
+
+
+def masked_feedback_candidates(row: torch.Tensor, in_active: torch.Tensor, top_m: int, min_prob: float) -> dict:
+    """The plain definition: the top_m most likely ids outside A, kept when their probability is >= min_prob."""
+    probs = row.softmax(-1)
+    top = row.masked_fill(in_active, float("-inf")).topk(top_m)
+    return {i: TARGET_PRIORITY + probs[i].item() for i in top.indices.tolist() if probs[i] >= min_prob}
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_target_feedback_candidates_equal_the_masked_definition(seed):
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 500
+    row = torch.randn(vocab, generator=gen) * (1 + seed % 5)  # from flat to peaked distributions
+    in_active = torch.rand(vocab, generator=gen) < 0.5
+    fb = target_feedback(row[None], committed=[int(in_active.nonzero()[0])], in_active=in_active, min_prob=0.02)
+    want = masked_feedback_candidates(row, in_active, top_m=4, min_prob=0.02)
+    assert fb.candidates.keys() == want.keys()
+    assert all(fb.candidates[i] == pytest.approx(want[i], abs=1e-5) for i in want)
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +246,7 @@ def test_unconfirmed_buffer_ids_are_penalized_until_the_target_confirms_them(pai
     target, draft = pair
     static = torch.arange(0, 48)
     policy = EvoSpecPolicy(draft.head_weight, static, EvoSpecSettings(dynamic_size=4, use_semantic=False,
-                                                                      unconfirmed_bias=-3.0))
+                                                                      unconfirmed_bias=-3.0, update_lag=0))
     session = policy.new_session([60, 61, 60, 5])  # long-tail 60, 61 come from the prompt: guessed, not confirmed
     slots = {c.token_id: c.slot for c in session.initial_changes}
     assert set(slots) == {60, 61}
@@ -217,3 +257,57 @@ def test_unconfirmed_buffer_ids_are_penalized_until_the_target_confirms_them(pai
     logits = session.active.logits(hidden)
     raw = hidden @ draft.head_weight[60]
     assert torch.allclose(logits[:, 48 + slots[60]], raw - 3.0, atol=1e-5)
+
+
+def observations(steps: int, seed: int = 0) -> list[tuple[VerifyResult, TargetFeedback]]:
+    """A random stream of verified steps over the 96-token pair, with target-fed candidates."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(steps):
+        tokens = [rng.randrange(2, 96) for _ in range(rng.randrange(1, 4))]
+        cands = {rng.randrange(2, 96): TARGET_PRIORITY + rng.random() for _ in range(2)}
+        out.append((VerifyResult(list(range(len(tokens) - 1)), tokens[:-1], tokens[-1]), TargetFeedback(1, 3, cands)))
+    return out
+
+
+def test_deferred_updates_are_the_same_updates_one_step_later(pair):
+    """update_lag 1 computes each step's update on the worker and applies it at the next step: exactly the changes
+    (slots, ids, biases) that update_lag 0 applies at once, one observe call later."""
+    _, draft = pair
+    static = torch.arange(0, 48)
+    sessions = {lag: EvoSpecPolicy(draft.head_weight, static, EvoSpecSettings(dynamic_size=8, update_lag=lag,
+                                                                               semantic_every=3)).new_session([60, 70])
+                for lag in (0, 1)}
+    assert sessions[0].initial_changes == sessions[1].initial_changes  # the prompt's fill is applied before drafting
+    now, later = [], []
+    for result, feedback in observations(40):
+        now.append((sessions[0].observe(result, feedback), sessions[0].active.dynamic_bias.clone()))
+        later.append((sessions[1].observe(result, feedback), sessions[1].active.dynamic_bias.clone()))
+    assert later[0][0] == [] and any(changes for changes, _ in now)
+    for (changes_now, bias_now), (changes_later, bias_later) in zip(now, later[1:]):
+        assert changes_now == changes_later and torch.equal(bias_now, bias_later)
+
+
+def test_buffer_hits_are_counted_by_the_source_that_put_the_id_there(pair):
+    _, draft = pair
+    static = torch.arange(0, 48)
+    policy = EvoSpecPolicy(draft.head_weight, static, EvoSpecSettings(dynamic_size=8, use_semantic=False,
+                                                                      update_lag=0))
+    session = policy.new_session([5, 60])  # 60 ∉ S in the prompt: statistical
+    session.observe(VerifyResult([], [], 6), TargetFeedback(0, 1, {70: TARGET_PRIORITY + 0.5}))  # 70: target-fed
+    assert session.hits == {"statistical": 0, "semantic": 0, "target": 0}
+    session.observe(VerifyResult([0, 1], [60, 70], 7), None)  # both committed while in D
+    session.observe(VerifyResult([0], [70], 80), None)  # 80 was not in D: a miss, no hit
+    assert session.hits == {"statistical": 1, "semantic": 0, "target": 2}
+
+
+def test_deferred_updates_keep_greedy_identical_and_count_hits(pair):
+    dec = evo_decoder(pair, static=24)
+    sampling = SamplingParams(max_tokens=48, ignore_eos=True)
+    spec = SpecParams(method="evospec", vocab={"static_size": 24, "dynamic_size": 8})
+    ref = dec.generate([3, 60, 61, 62], sampling, SpecParams(method="ar"))
+    out = dec.generate([3, 60, 61, 62], sampling, spec)
+    list(ref), list(out)
+    assert dec.policies.evospec.update_lag == 1 and out.output_ids == ref.output_ids
+    assert out.stats.buffer_hits > 0
+    assert out.stats.buffer_hits == sum(out.stats.as_dict()[f"buffer_hits_{s}"] for s in SOURCES)

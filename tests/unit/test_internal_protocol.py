@@ -28,7 +28,7 @@ from evospec.vocab.registry import VocabPolicies
 VOCAB = 96
 STATIC = torch.arange(0, VOCAB, 3)  # 32 ids: many misses, so the buffer works
 COUNTED = ("steps", "drafted", "accepted", "accepted_per_pos", "generated_tokens", "misses", "verified_positions",
-           "buffer_updates")
+           "buffer_updates", "buffer_hits_statistical", "buffer_hits_semantic", "buffer_hits_target")
 
 
 def pool_for(*addresses: str) -> DraftReplicas:
