@@ -40,7 +40,7 @@ from evospec.vocab.retrieval import target_feedback
 
 STATIC_SIZES = (8192, 16384, 32768)
 DYNAMIC_SIZES = (0, 256, 512, 1024)  # 0 = frspec
-SOURCES = {"stat": ("statistical",), "sem": ("semantic",), "target": ("target",)}
+ABLATIONS = {"stat": ("statistical",), "sem": ("semantic",), "target": ("target",)}
 COLUMNS = ("tokens_per_s", "speedup_vs_ar", "tau", "miss_rate", "recovered", "hits_statistical", "hits_semantic",
            "hits_target", "update_ms_per_step", "tau_first32", "tau_after32", "greedy_identical_to_ar")
 
@@ -58,7 +58,7 @@ def grid_arms(tree: TreeParams, statics, dynamics, ablations: bool) -> list[Arm]
                                                        vocab={"static_size": k, "dynamic_size": d})))
     if ablations:  # one retrieval source at a time, at the largest K and smallest Dyna > 0 of the grid
         k, d = max(statics), min(x for x in dynamics if x) if any(dynamics) else 256
-        for name, sources in SOURCES.items():
+        for name, sources in ABLATIONS.items():
             arms.append(Arm(f"{arm_name(k, d)}-{name}", SpecParams(
                 method="evospec", tree=tree, vocab={"static_size": k, "dynamic_size": d, "retrieval": sources})))
     return arms
@@ -69,7 +69,7 @@ def inline_arm(pair: LoadedPair, tree: TreeParams, static: int, dynamic: int) ->
     dec = pair.decoder
     inline = SpeculativeDecoder(dec.target.model, dec.draft.model, static_ids=dec.policies.static_ids,
                                 eos_ids=pair.stop_ids, cooc=dec.policies.cooc)
-    inline.policies.evospec = replace(inline.policies.evospec, update_lag=0)
+    inline.policies = dec.policies.with_evospec(replace(dec.policies.evospec, update_lag=0))
     return Arm(f"{arm_name(static, dynamic)}/inline", SpecParams(
         method="evospec", tree=tree, vocab={"static_size": static, "dynamic_size": dynamic}), decoder=inline)
 
@@ -111,8 +111,8 @@ def head_costs(pair: LoadedPair, statics, dynamics, rows=(1, 4)) -> dict:
             for d in dynamics:
                 if d:
                     active = static.with_dynamic_slots(weight, d)
-                    active.set_dynamic_many(weight, list(range(d)), list(range(weight.shape[0] - d, weight.shape[0])),
-                                            [0.0] * d)
+                    last_ids = list(range(weight.shape[0] - d, weight.shape[0]))
+                    active.set_dynamic_many(weight, list(range(d)), last_ids, [0.0] * d)
                     costs[f"{k // 1024}k+{d}"] = median_ms(lambda: active.logits(hidden))
         out[f"rows={n}"] = costs
     return out
@@ -120,18 +120,16 @@ def head_costs(pair: LoadedPair, statics, dynamics, rows=(1, 4)) -> dict:
 
 def update_costs(pair: LoadedPair, prompt: list[int], answer: list[int], statics, dynamics,
                  step_s: float) -> dict:
-    """Per-step buffer update on the draft's critical path (median / mean ms over an answer replayed 3 tokens per
-    step, with real target-fed candidates from random logits peaked at the committed token), computed inline
-    (update_lag 0) vs applied one step later (update_lag 1, the worker runs while `step_s` of drafting and
-    verification would), and the target side's feedback (misses + candidates)."""
+    """Per-step buffer update (Dyna 256 and 1024 at the two largest K) on the draft's critical path: median / mean /
+    max ms over an answer replayed 3 tokens per step, with target-fed candidates from random logits peaked at the
+    committed tokens; computed inline (update_lag 0) vs applied one step later (update_lag 1: the worker runs while
+    `step_s` of drafting and verification would); and the target side's feedback (misses + candidates)."""
     dec = pair.decoder
     weight = dec.draft.model.head_weight.detach()
     vocab = dec.target.vocab_size
     out = {}
-    for k in statics:
-        for d in dynamics:
-            if not d:
-                continue
+    for k in sorted(statics)[-2:]:
+        for d in (d for d in dynamics if d in (256, 1024)):
             row = {}
             shared = dec.policies.get(SpecParams(method="evospec", vocab={"static_size": k, "dynamic_size": d}))
             for lag in (0, 1):
@@ -150,12 +148,41 @@ def update_costs(pair: LoadedPair, prompt: list[int], answer: list[int], statics
                     on_path.append(time.perf_counter() - mid)
                     feedback_s.append(mid - start)
                     time.sleep(step_s)
+                session.close()
                 row[f"lag{lag}"] = {"median_ms": round(1000 * statistics.median(on_path), 3),
                                     "mean_ms": round(1000 * statistics.mean(on_path), 3),
-                                    "max_ms": round(1000 * max(on_path), 3)}
-                row["target_feedback_median_ms"] = round(1000 * statistics.median(feedback_s), 3)
+                                    "max_ms": round(1000 * max(on_path), 3),
+                                    "target_feedback_median_ms": round(1000 * statistics.median(feedback_s), 3)}
             out[arm_name(k, d)] = row
     return out
+
+
+# The paper's medicine table (tok/s, co-located Qwen3 pair on a GPU): only ratios compare across machines.
+PAPER_TOK_S = {"evospec-32k+256": 128.51, "evospec-16k+1024": 122.88, "evospec-8k+1024": 108.75,
+               "frspec-32k": 114.08, "sd": 111.93}
+
+
+def paper_table(results: dict, key: str) -> str:
+    """One (set, temperature) as the paper's table: tok/s and ratios to `ar` and to `frspec-32k` (the paper's
+    baseline), next to the paper's ratio to FR-Spec 32k where it has the arm; then τ, misses and what D recovered."""
+    row = results[key]
+    base = row.get("frspec-32k", {}).get("tokens_per_s", {}).get("median")
+    lines = [f"| {key} | tok/s | × ar | × frspec-32k | paper × FR-Spec 32k | τ | miss rate | recovered "
+             "(stat / sem / target) |", "|---" * 8 + "|"]
+    for name, entry in row.items():
+        tps = entry["tokens_per_s"]
+        paper = f"{PAPER_TOK_S[name] / PAPER_TOK_S['frspec-32k']:.3f}" if name in PAPER_TOK_S else ""
+        ratio = f"{tps['median'] / base:.3f}" if base else ""
+        tau = entry.get("tau", {})
+        vocab = ""
+        if entry.get("recovered", {}).get("median"):
+            vocab = (f"{entry['recovered']['median']:.2f} ({entry['hits_statistical']['median']:.2f} / "
+                     f"{entry['hits_semantic']['median']:.2f} / {entry['hits_target']['median']:.2f})")
+        miss = entry.get("miss_rate", {}).get("median")
+        lines.append(f"| {name} | {tps['median']:.2f} ({tps['min']:.2f}–{tps['max']:.2f}) | "
+                     f"{entry.get('speedup_vs_ar', '')} | {ratio} | {paper} | "
+                     f"{tau.get('median', '')} | {'' if miss is None else f'{miss:.3f}'} | {vocab} |")
+    return "\n".join(lines) + "\n"
 
 
 def plot_heatmap(results: dict, statics, dynamics, path: Path) -> None:
@@ -218,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     arms = grid_arms(tree, args.statics, args.dynamics, args.ablations)
     if args.no_sd:
         arms = [a for a in arms if a.name != "sd"]
-    if args.inline:
+    if args.inline and any(args.dynamics):
         arms.append(inline_arm(pair, tree, max(args.statics), min(d for d in args.dynamics if d)))
     sets = tokenize_sets(pair.tokenizer, args.sets, args.prompts)
     samplings = {("greedy" if t == 0 else f"T={t:g}"): SamplingParams(max_tokens=args.max_tokens, temperature=t,
@@ -265,6 +292,9 @@ def finish(args, results: dict, meta: dict) -> None:
     (args.out / "bench_grid.md").write_text((args.out / "bench_grid.md").read_text().split("\n###")[0]
                                             + markdown_table(results, COLUMNS))
     plot_heatmap(results, args.statics, args.dynamics, args.out / "bench_grid_heatmap.png")
+    paper = "\n".join(paper_table(results, key) for key in results)
+    (args.out / "bench_grid_paper.md").write_text(paper)
+    print(paper)
 
 
 if __name__ == "__main__":

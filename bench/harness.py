@@ -14,6 +14,7 @@ from tqdm import tqdm
 from evospec.config import SamplingParams, SpecParams
 from evospec.engine.generate import SpeculativeDecoder
 from evospec.engine.stats import SpecStats
+from evospec.vocab.policy import SOURCES
 
 
 @dataclass
@@ -83,6 +84,7 @@ def run_arm(decoder: SpeculativeDecoder, arm: Arm, prompts: list[list[int]],
             out, stats = arm.run(prompt, params)
         else:
             out, stats, per_step = generate_in_process(arm.decoder or decoder, prompt, params, arm.spec)
+            per_step = per_step[:-1]  # the last step's tokens may be cut by max_tokens or a stop token
             starts = [sum(per_step[:j]) for j in range(len(per_step))]
             first += [n for n, at in zip(per_step, starts) if at < WINDOW]
             after += [n for n, at in zip(per_step, starts) if at >= WINDOW]
@@ -109,7 +111,7 @@ def step_metrics(total: SpecStats) -> dict:
             "miss_rate": total.miss_rate,
             "recovered": hits / (hits + total.misses) if hits + total.misses else 0.0,
             **{f"hits_{source}": getattr(total, f"buffer_hits_{source}") / hits if hits else 0.0
-               for source in ("statistical", "semantic", "target")},
+               for source in SOURCES},
             "buffer_churn": total.buffer_updates / total.steps,
             "update_ms_per_step": total.buffer_update_seconds * per_step,
             "draft_ms_per_step": total.draft_seconds * per_step,

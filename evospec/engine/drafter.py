@@ -7,7 +7,7 @@ candidates (it alone sees full-vocabulary logits) and the draft side applies buf
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -43,11 +43,19 @@ class Drafter(Protocol):
 DrafterFactory = Callable[[DraftRequest], Drafter]
 
 
-def feedback_for(verified: VerifiedStep, in_active, with_candidates: bool, stats: SpecStats) -> TargetFeedback:
-    """Target side of a step's vocabulary feedback: misses into stats, candidates for the buffer."""
-    fb = target_feedback(verified.target_logits, verified.result.committed_tokens, in_active, with_candidates)
+def feedback_for(verified: VerifiedStep, in_active, with_candidates: bool, stats: SpecStats,
+                 source_of: Mapping[int, str]) -> TargetFeedback:
+    """Target side of a step's vocabulary feedback against the A the tree was drafted with: misses (committed
+    tokens outside A) and buffer hits (committed tokens in D, by the source that put them there, `source_of`) into
+    stats; candidates for the buffer."""
+    committed = verified.result.committed_tokens
+    fb = target_feedback(verified.target_logits, committed, in_active, with_candidates)
     stats.misses += fb.misses
     stats.verified_positions += fb.positions
+    for tok in committed:
+        source = source_of.get(tok)
+        if source:
+            stats.count_buffer_hit(source)
     return fb
 
 
@@ -75,12 +83,12 @@ def observe_locally(engine: DraftEngine, session: DraftSession, verified: Verifi
     """In-process feedback of one verified step: misses and candidates (target side), commit and buffer update."""
     vocab = session.vocab
     start = time.perf_counter()
-    fb = feedback_for(verified, vocab.in_active(), vocab.wants_target_feedback, stats) if vocab.restricted else None
+    fb = feedback_for(verified, vocab.in_active(), vocab.wants_target_feedback, stats, vocab.source_of) \
+        if vocab.restricted else None
     changes = engine.advance(session, verified.result, fb)
     stats.buffer_updates += sum(1 for c in changes if c.token_id >= 0)
     stats.buffer_update_seconds += time.perf_counter() - start
     stats.draft_head_seconds = session.head_seconds
-    stats.set_buffer_hits(vocab.hits)
 
 
 class NoDrafter:
@@ -107,7 +115,7 @@ class LocalDrafter:
         observe_locally(self.engine, self.session, verified, stats)
 
     def close(self) -> None:
-        return None
+        self.session.vocab.close()
 
 
 class LocalBatchDrafter:
@@ -160,4 +168,5 @@ class LocalBatchDrafter:
     def close(self, key: str) -> None:
         session = self.sessions.pop(key, None)
         if session is not None:
+            session.vocab.close()
             self.arena.release(session.cache)

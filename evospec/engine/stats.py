@@ -6,7 +6,6 @@ e2e_seconds, method), and tests/unit/test_stats.py fails when the two drift. Con
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 
@@ -44,10 +43,10 @@ class SpecStats:
         for d in range(accepted):
             self.accepted_per_pos[d] += 1
 
-    def set_buffer_hits(self, hits: Mapping[str, int]) -> None:
-        """A session's running totals by source (statistical / semantic / target)."""
-        for source, n in hits.items():
-            setattr(self, f"buffer_hits_{source}", n)
+    def count_buffer_hit(self, source: str) -> None:
+        """One committed token that was in the dynamic buffer; source: statistical / semantic / target."""
+        name = f"buffer_hits_{source}"
+        setattr(self, name, getattr(self, name) + 1)
 
     @property
     def buffer_hits(self) -> int:

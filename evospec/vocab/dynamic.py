@@ -20,6 +20,7 @@ class SlotChange:
     slot: int
     token_id: int  # -1 = slot emptied
     evicted: int  # previous id, -1 if the slot was free
+    source: str = ""  # the retrieval source that proposed token_id (statistical / semantic / target)
 
 
 class DynamicBuffer:

@@ -6,8 +6,9 @@ A `VocabPolicy` is built once per server and method; `new_session` gives the per
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Protocol
 
@@ -31,11 +32,13 @@ class SessionVocab(Protocol):
     restricted: bool  # A is a strict subset of the vocabulary (misses are possible)
     wants_target_feedback: bool  # observe() uses the target's full-vocabulary view of verified positions
     initial_changes: list[SlotChange]  # buffer fill from the prompt, before the first tree
-    hits: dict[str, int]  # running totals: committed tokens found in the dynamic buffer, by retrieval source
+    source_of: Mapping[int, str]  # ids of D as drafted now -> the retrieval source that put them there
 
     def in_active(self) -> torch.Tensor: ...  # [V] bool
 
     def observe(self, result: VerifyResult, feedback: TargetFeedback | None) -> list[SlotChange]: ...
+
+    def close(self) -> None: ...  # the generation ended: drop work in flight
 
 
 class VocabPolicy(Protocol):
@@ -50,7 +53,7 @@ class FixedSessionVocab:
         self.restricted = active.size < vocab_size
         self.wants_target_feedback = False
         self.initial_changes: list[SlotChange] = []
-        self.hits: dict[str, int] = {}
+        self.source_of: Mapping[int, str] = {}
         self._mask = active.contains_mask(vocab_size)
 
     def in_active(self) -> torch.Tensor:
@@ -58,6 +61,9 @@ class FixedSessionVocab:
 
     def observe(self, result: VerifyResult, feedback: TargetFeedback | None) -> list[SlotChange]:
         return []
+
+    def close(self) -> None:
+        return None
 
 
 class FixedVocabPolicy:
@@ -97,6 +103,10 @@ class EvoSpecSettings:
     update_lag: int = 1
     update_timeout_s: float = 30.0  # a worker that has not finished a step's update by then fails the session
 
+    def __post_init__(self):
+        if self.update_lag not in (0, 1):
+            raise ValueError(f"update_lag must be 0 (inline) or 1 (one step later); got {self.update_lag}")
+
 
 class EvoSpecPolicy:
     """`evospec`: static rows shared, plus a per-session dynamic buffer fed by statistical, semantic and target
@@ -114,9 +124,11 @@ class EvoSpecPolicy:
         in_static[static_ids.cpu()] = True
         self.long_tail = ~in_static & trained_rows(head_weight)  # [V]
         self.long_tail_list = self.long_tail.tolist()  # fast per-token lookups
-        self.index = (index or EmbeddingIndex(head_weight, self.long_tail.nonzero()[:, 0])) \
-            if settings.use_semantic else None
+        if settings.use_semantic and index is None:
+            index = EmbeddingIndex(head_weight, self.long_tail.nonzero()[:, 0])
+        self.index = index if settings.use_semantic else None
         self.cooc = cooc
+        # a policy built without the server's worker (tests, tools) gets its own thread, idle when unused
         self.worker = worker if worker is not None or settings.update_lag == 0 else buffer_worker()
 
     def new_session(self, prompt_ids: list[int]) -> "EvoSessionVocab":
@@ -139,10 +151,9 @@ def trained_rows(head_weight: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class BufferDelta:
-    """One step's buffer update, computed (possibly on the worker) from the buffer's own state: the slot changes, the
-    source that proposed each new id, each new row's logit bias, and the slots the target just vouched for."""
+    """One step's buffer update, computed (possibly on the worker) from the buffer's own state: the slot changes
+    (with the source of each new id), each new row's logit bias, and the slots the target just vouched for."""
     changes: list[SlotChange]
-    sources: list[str]
     biases: list[float]
     confirmed_slots: list[int]
 
@@ -150,7 +161,7 @@ class BufferDelta:
 class EvoSessionVocab:
     """One generation's A = S ∪ D. Two states: the *buffer* (retrievers + DynamicBuffer, touched only by the update
     job, on the worker when update_lag = 1) and the *applied* A the draft scores (active rows, membership mask, the
-    source of each slot; touched only between steps, on the draft's thread)."""
+    source of each dynamic id; touched only between steps, on the draft's thread)."""
     restricted = True
 
     def __init__(self, policy: EvoSpecPolicy, prompt_ids: list[int]):
@@ -165,40 +176,34 @@ class EvoSessionVocab:
         self.tokens = list(prompt_ids)
         self.step = 0
         self._mask = self.active.contains_mask(policy.head_weight.shape[0])
-        self._slot_source = [""] * s.dynamic_size  # applied: which source put each slot's id there
-        self._slot_of: dict[int, int] = {}  # applied: dynamic id -> slot
-        self.hits = dict.fromkeys(SOURCES, 0)  # committed tokens that were in D when drafted, by source
+        self.source_of: dict[int, str] = {}  # applied: dynamic id -> the source that put it in D
         self._pending: Future | None = None
-        self.initial_changes = self._apply(self._update(prompt_ids, self.tokens, None, 0, semantic=True,
-                                                        generated=False))
+        self.initial_changes = self._apply(self._update(prompt_ids, self.tokens, None, 0,
+                                                        semantic=self.semantic is not None, generated=False))
 
     def in_active(self) -> torch.Tensor:
         return self._mask
 
     def observe(self, result: VerifyResult, feedback: TargetFeedback | None) -> list[SlotChange]:
-        """Between steps: count the step's buffer hits, apply the update that is due, start this step's update.
-        -> the slot changes applied now (the target mirrors them before the next tree)."""
-        self._count_hits(result.committed_tokens)
+        """Between steps: apply the update that is due, start this step's update. -> the slot changes applied now
+        (the target mirrors them before the next tree)."""
         self.step += 1
         self.tokens.extend(result.committed_tokens)
         settings = self.policy.settings
-        job = partial(self._update, list(result.committed_tokens), self.tokens[-self.semantic_window:], feedback,
-                      self.step, self.step % settings.semantic_every == 0, True)
+        semantic = self.semantic is not None and self.step % settings.semantic_every == 0
+        recent = self.tokens[-self.semantic.window:] if semantic else []
+        job = partial(self._update, list(result.committed_tokens), recent, feedback, self.step, semantic, True)
         if settings.update_lag == 0:
             return self._apply(job())
         due = self._pending.result(timeout=settings.update_timeout_s) if self._pending is not None else None
         self._pending = self.policy.worker.submit(job)
         return self._apply(due) if due is not None else []
 
-    @property
-    def semantic_window(self) -> int:
-        return self.semantic.window if self.semantic is not None else 0
-
-    def _count_hits(self, committed: list[int]) -> None:
-        for tok in committed:
-            slot = self._slot_of.get(tok)
-            if slot is not None:
-                self.hits[self._slot_source[slot]] += 1
+    def close(self) -> None:
+        """Cancel the update in flight if the worker has not started it (a started one finishes, unread)."""
+        if self._pending is not None:
+            self._pending.cancel()
+            self._pending = None
 
     def _update(self, new_tokens: list[int], recent: list[int], feedback: TargetFeedback | None, step: int,
                 semantic: bool, generated: bool) -> BufferDelta:
@@ -212,7 +217,7 @@ class EvoSessionVocab:
         if self.stat is not None:
             self.stat.observe(new_tokens)
             offer(self.stat.candidates(self.policy.settings.stat_candidates), "statistical")
-        if semantic and self.semantic is not None:
+        if semantic:
             offer(self.semantic.candidates(recent), "semantic")
         if feedback is not None:  # ids outside A when drafted; top priority
             offer(feedback.candidates, "target")
@@ -221,23 +226,22 @@ class EvoSessionVocab:
         if generated:  # the target committed these tokens: confirmed
             confirmed.update(new_tokens)
         penalty = self.policy.settings.unconfirmed_bias
-        return BufferDelta(changes, [candidates[c.token_id][1] for c in changes],
+        return BufferDelta([replace(c, source=candidates[c.token_id][1]) for c in changes],
                            [0.0 if c.token_id in confirmed else penalty for c in changes],
                            [self.buffer.slot_of[t] for t in confirmed if t in self.buffer])
 
     def _apply(self, delta: BufferDelta) -> list[SlotChange]:
-        """A delta into A's rows (one gather of the changed rows), the membership mask and the slots' sources."""
+        """A delta into A's rows (one gather of the changed rows), the membership mask and the ids' sources."""
         changes = delta.changes
         if changes:
             self.active.set_dynamic_many(self.policy.head_weight, [c.slot for c in changes],
                                          [c.token_id for c in changes], delta.biases)
             self._mask[torch.tensor([c.evicted for c in changes if c.evicted >= 0], dtype=torch.long)] = False
             self._mask[torch.tensor([c.token_id for c in changes if c.token_id >= 0], dtype=torch.long)] = True
-            for change, source in zip(changes, delta.sources):
-                self._slot_of.pop(change.evicted, None)
+            for change in changes:
+                self.source_of.pop(change.evicted, None)
                 if change.token_id >= 0:
-                    self._slot_of[change.token_id] = change.slot
-                self._slot_source[change.slot] = source
+                    self.source_of[change.token_id] = change.source
         if delta.confirmed_slots:  # residents the target just vouched for lose their penalty
             self.active.dynamic_bias[torch.tensor(delta.confirmed_slots, dtype=torch.long)] = 0.0
         return changes

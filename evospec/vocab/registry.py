@@ -1,6 +1,7 @@
 """method name -> vocabulary policy. The only place that maps method strings to behaviour."""
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 
@@ -41,6 +42,7 @@ class VocabPolicies:
         self._cache: dict[tuple, VocabPolicy] = {}
         self._index: EmbeddingIndex | None = None  # built on first use, shared by every EvoSpec policy
         self._worker: Executor | None = None
+        self._lock = threading.Lock()
 
     def _static_prefix(self, k: int) -> torch.Tensor:
         if self.static_ids is None:
@@ -65,9 +67,16 @@ class VocabPolicies:
 
     def get(self, spec: SpecParams) -> VocabPolicy:
         key = (spec.method, spec.vocab.static_size, spec.vocab.dynamic_size, spec.vocab.retrieval)
-        if key not in self._cache:
-            self._cache[key] = self._build(spec)
-        return self._cache[key]
+        with self._lock:  # requests validate (and so build) from several threads
+            if key not in self._cache:
+                self._cache[key] = self._build(spec)
+            return self._cache[key]
+
+    def with_evospec(self, settings: EvoSpecSettings) -> "VocabPolicies":
+        """The same vocabularies with other server-wide EvoSpec settings, sharing the index and the worker."""
+        other = VocabPolicies(self.head_weight, self.static_ids, self.cooc, settings)
+        other._index, other._worker = self._index, self._worker
+        return other
 
     def _build(self, spec: SpecParams) -> VocabPolicy:
         layout = self.layout(spec)

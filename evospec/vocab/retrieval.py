@@ -78,6 +78,10 @@ class CoocIndex:
 
 
 class NeighbourIndex(Protocol):
+    """vectors [q, hidden], allowed [V] bool on the index's device -> (ids [q, k'], sims [q, k']), best first; when
+    fewer than k' ids are allowed the rest come back with sim -inf (callers keep positive sims only)."""
+    embeddings: torch.Tensor  # [V, hidden] the rows queries are built from
+
     def query(self, vectors: torch.Tensor, k: int, allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -109,7 +113,7 @@ class EmbeddingIndex:
             return ids, top.values
         exact = torch.einsum("qh,qwh->qw", vectors, normalized(self.embeddings[ids].float()))  # [q, width]
         exact = exact.masked_fill(top.values == float("-inf"), float("-inf"))
-        best = exact.topk(min(k, width), dim=-1)
+        best = exact.topk(min(k, exact.shape[-1]), dim=-1)
         return ids.gather(1, best.indices), best.values
 
 
@@ -118,7 +122,7 @@ def normalized(rows: torch.Tensor) -> torch.Tensor:
 
 
 def top_directions(rows: torch.Tensor, rank: int) -> torch.Tensor:
-    """[hidden, rank]: eigenvectors of rows^T rows with the largest eigenvalues (deterministic, one [P, hidden] pass)."""
+    """[hidden, rank]: eigenvectors of rows^T rows with the largest eigenvalues (deterministic; one pass over rows)."""
     _, vectors = torch.linalg.eigh(rows.T @ rows)  # ascending eigenvalues
     return vectors[:, -rank:].flip(-1).contiguous()
 
@@ -128,7 +132,8 @@ class SemanticRetriever:
     one per recent long-tail token (at most 8); `k` neighbours in all, kept only with a positive cosine."""
 
     def __init__(self, index: NeighbourIndex, long_tail: torch.Tensor, window: int = 32, k: int = 32):
-        self.index, self.long_tail = index, long_tail
+        self.index, self.long_tail = index, long_tail  # long_tail: [V] bool on the CPU (token-id lookups)
+        self.allowed = long_tail.to(index.embeddings.device)  # the same mask where the index searches
         self.window, self.k = window, k
 
     def candidates(self, tokens: list[int]) -> dict[int, float]:
@@ -140,7 +145,7 @@ class SemanticRetriever:
         emb = normalized(embeddings.index_select(0, ids.to(embeddings.device)).float())
         tail = ids[self.long_tail[ids]].unique()[-8:]  # recent long-tail tokens get their own neighbours
         queries = torch.cat([emb.mean(0, keepdim=True), embeddings.index_select(0, tail.to(emb.device)).float()])
-        nb, sims = self.index.query(queries, max(1, self.k // len(queries)), self.long_tail)
+        nb, sims = self.index.query(queries, max(1, self.k // len(queries)), self.allowed)
         out: dict[int, float] = {}
         for i, s in zip(nb.flatten().tolist(), sims.flatten().tolist()):
             if s > 0:
@@ -164,16 +169,19 @@ def target_feedback(target_logits: torch.Tensor, committed: list[int], in_active
     whose logit reaches logsumexp + log(min_prob) (at most 1/min_prob of them): one logsumexp and one comparison over
     the vocabulary, no top-k or mask copy of [V] (the target-side cost of a step's feedback).
     with_candidates=False only counts misses."""
+    if not 0 < min_prob <= 1:
+        raise ValueError(f"min_prob must be in (0, 1]; got {min_prob}")
     misses = [t for t in committed if not in_active[t]]
     if not with_candidates:
         return TargetFeedback(len(misses), len(committed), {})
     row = target_logits[-1].float()  # [V] distribution after the accepted path
     lse = row.logsumexp(dim=-1)
-    likely = (row >= lse + math.log(min_prob)).nonzero()[:, 0]  # [<= 1/min_prob]
-    likely = likely[~in_active[likely]]
-    best = likely[row[likely].argsort(descending=True)[:top_m]]
+    likely = (row >= lse + math.log(min_prob)).nonzero()[:, 0].cpu()  # [<= 1/min_prob]; A's mask may be on the CPU
+    likely = likely[~in_active[likely.to(in_active.device)].cpu()]
+    best = likely[row[likely.to(row.device)].argsort(descending=True).cpu()[:top_m]]
     lse = lse.item()
-    cands = {i: TARGET_PRIORITY + math.exp(logit - lse) for i, logit in zip(best.tolist(), row[best].tolist())}
+    cands = {i: TARGET_PRIORITY + math.exp(logit - lse)
+             for i, logit in zip(best.tolist(), row[best.to(row.device)].tolist())}
     for tok in misses:
         cands[tok] = TARGET_PRIORITY + 1.0 + math.exp(row[tok].item() - lse)
     return TargetFeedback(len(misses), len(committed), cands)

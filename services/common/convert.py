@@ -11,7 +11,6 @@ from evospec.services.protocol.v1 import speculation_pb2 as spec_pb
 from evospec.tree import DraftTree
 from evospec.verify import VerifyResult
 from evospec.vocab.dynamic import SlotChange
-from evospec.vocab.policy import SOURCES
 
 
 def start_to_proto(session_id: str, request: DraftRequest) -> spec_pb.TargetToDraft:
@@ -45,19 +44,14 @@ def start_from_proto(start: spec_pb.StartSession) -> DraftRequest:
 
 def tree_to_proto(tree: DraftTree, changes: list[SlotChange]) -> spec_pb.DraftToTarget:
     msg = spec_pb.DraftToTarget(token_ids=tree.token_ids.tolist(), parents=tree.parents.tolist(),
-                                buffer_changes=[spec_pb.SlotChange(slot=c.slot, token_id=c.token_id) for c in changes])
+                                buffer_changes=[slot_change_to_proto(c) for c in changes])
     for node, probs in tree.draft_probs.items():
         msg.draft_probs.add(node=node, probs=probs.float().cpu().tolist())
     return msg
 
 
-def set_buffer_hits(msg: spec_pb.DraftToTarget, hits: dict[str, int]) -> None:
-    for source, n in hits.items():
-        setattr(msg, f"buffer_hits_{source}", n)
-
-
-def buffer_hits(msg: spec_pb.DraftToTarget) -> dict[str, int]:
-    return {source: getattr(msg, f"buffer_hits_{source}") for source in SOURCES}
+def slot_change_to_proto(change: SlotChange) -> spec_pb.SlotChange:
+    return spec_pb.SlotChange(slot=change.slot, token_id=change.token_id, source=change.source)
 
 
 def tree_from_proto(msg: spec_pb.DraftToTarget, active_ids: torch.Tensor | None) -> DraftTree:

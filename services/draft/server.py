@@ -32,7 +32,6 @@ class DraftReply:
     changes: list[SlotChange]
     head_seconds: float  # draft LM-head time so far
     buffer_update_seconds: float  # draft-side buffer update time so far
-    buffer_hits: dict[str, int]  # committed tokens found in the buffer so far, by retrieval source
 
 
 @dataclass
@@ -43,7 +42,6 @@ class SessionStep:
     tree: DraftTree | None = None
     head_seconds: float = 0.0
     buffer_update_seconds: float = 0.0
-    buffer_hits: dict[str, int] = field(default_factory=dict)
     error: Exception | None = None
 
 
@@ -146,7 +144,6 @@ class DraftServer:
             session = self._sessions.get(sid)
             if session is not None:
                 entry.head_seconds, entry.buffer_update_seconds = session.draft.head_seconds, session.update_seconds
-                entry.buffer_hits = dict(session.draft.vocab.hits)
         return out
 
     def _create(self, session_id: str, request: DraftRequest) -> _Session:
@@ -176,7 +173,9 @@ class DraftServer:
 
     def close(self, session_id: str) -> None:
         with self._lock:
-            self._sessions.pop(session_id, None)
+            session = self._sessions.pop(session_id, None)
+        if session is not None:
+            session.draft.vocab.close()
 
     def _get(self, session_id: str) -> _Session:
         with self._lock:
@@ -187,5 +186,4 @@ class DraftServer:
 
     def _reply(self, session: _Session, changes: list[SlotChange]) -> DraftReply:
         tree = self.engine.propose(session.draft)
-        return DraftReply(tree, changes, session.draft.head_seconds, session.update_seconds,
-                          dict(session.draft.vocab.hits))
+        return DraftReply(tree, changes, session.draft.head_seconds, session.update_seconds)

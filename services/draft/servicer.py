@@ -19,7 +19,7 @@ from evospec.errors import InvalidRequestError
 from evospec.services.common.convert import (
     outcome_from_proto,
     session_op_from_proto,
-    set_buffer_hits,
+    slot_change_to_proto,
     start_from_proto,
     tree_to_proto,
 )
@@ -36,7 +36,6 @@ def reply_to_proto(reply: DraftReply) -> spec_pb.DraftToTarget:
     msg = tree_to_proto(reply.tree, reply.changes)
     msg.head_seconds = reply.head_seconds
     msg.buffer_update_seconds = reply.buffer_update_seconds
-    set_buffer_hits(msg, reply.buffer_hits)
     return msg
 
 
@@ -111,10 +110,8 @@ def session_to_proto(session_id: str, step: SessionStep) -> spec_pb.SessionDraft
         return spec_pb.SessionDraft(session_id=session_id, error=f"{type(step.error).__name__}: {step.error}",
                                     error_code=status_for(step.error).name)
     reply = tree_to_proto(step.tree, step.changes) if step.tree is not None else \
-        spec_pb.DraftToTarget(buffer_changes=[spec_pb.SlotChange(slot=c.slot, token_id=c.token_id)
-                                              for c in step.changes])
+        spec_pb.DraftToTarget(buffer_changes=[slot_change_to_proto(c) for c in step.changes])
     reply.head_seconds, reply.buffer_update_seconds = step.head_seconds, step.buffer_update_seconds
-    set_buffer_hits(reply, step.buffer_hits)
     return spec_pb.SessionDraft(session_id=session_id, reply=reply, has_tree=step.tree is not None)
 
 

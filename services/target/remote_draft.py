@@ -25,7 +25,6 @@ from evospec.engine.target import VerifiedStep
 from evospec.errors import EvoSpecError
 from evospec.kernels.tree import tree_depths
 from evospec.services.common.convert import (
-    buffer_hits,
     outcome_to_proto,
     session_op_to_proto,
     start_to_proto,
@@ -39,7 +38,8 @@ from evospec.vocab.registry import ActiveLayout
 
 
 class ActiveSetMirror:
-    """The target's copy of the draft's A: static prefix + dynamic slots, kept in sync by slot changes."""
+    """The target's copy of the draft's A: static prefix + dynamic slots, kept in sync by slot changes, and the
+    retrieval source of each dynamic id (for the buffer-hit statistics)."""
 
     def __init__(self, static_ids: torch.Tensor | None, dynamic_size: int, vocab_size: int):
         if static_ids is None:  # sd: A is the whole vocabulary
@@ -51,6 +51,7 @@ class ActiveSetMirror:
         self.num_static = 0 if static_ids is None else static_ids.shape[0]
         self.mask = torch.zeros(vocab_size, dtype=torch.bool)
         self.mask[self.row_ids[self.row_ids >= 0]] = True
+        self.source_of: dict[int, str] = {}
 
     def apply(self, changes) -> None:
         for ch in changes:
@@ -58,9 +59,11 @@ class ActiveSetMirror:
             old = int(self.row_ids[slot])
             if old >= 0:
                 self.mask[old] = False
+                self.source_of.pop(old, None)
             self.row_ids[slot] = ch.token_id
             if ch.token_id >= 0:
                 self.mask[ch.token_id] = True
+                self.source_of[ch.token_id] = ch.source
 
 
 class DraftStreamError(EvoSpecError):
@@ -118,7 +121,6 @@ class RemoteDrafter:
             self._stats.buffer_updates += sum(1 for c in msg.buffer_changes if c.token_id >= 0)
             self._stats.draft_head_seconds = msg.head_seconds
             self._stats.buffer_update_seconds = self._feedback_seconds + msg.buffer_update_seconds
-            self._stats.set_buffer_hits(buffer_hits(msg))
         return msg
 
     def propose(self) -> DraftTree:
@@ -132,7 +134,8 @@ class RemoteDrafter:
         candidates = {}
         if self.mirror.restricted:
             start = time.perf_counter()
-            candidates = feedback_for(verified, self.mirror.mask, self.wants_candidates, stats).candidates
+            candidates = feedback_for(verified, self.mirror.mask, self.wants_candidates, stats,
+                                      self.mirror.source_of).candidates
             self._feedback_seconds += time.perf_counter() - start
         self._requests.put(outcome_to_proto(verified.result, candidates))
 
@@ -288,8 +291,9 @@ class RemoteMuxDrafter:
             candidates = {}
             if self.mirrors[key].restricted and key in self._drafted:
                 start = time.perf_counter()
-                candidates = feedback_for(verified, self.mirrors[key].mask, self._wants_candidates[key],
-                                          stats).candidates
+                mirror = self.mirrors[key]
+                candidates = feedback_for(verified, mirror.mask, self._wants_candidates[key], stats,
+                                          mirror.source_of).candidates
                 self._feedback_seconds[key] += time.perf_counter() - start
             self._home[key].ops.append(session_op_to_proto(key, "outcome", result=verified.result,
                                                            candidates=candidates))
@@ -373,7 +377,6 @@ class RemoteMuxDrafter:
                 stats.buffer_updates += sum(1 for c in session.reply.buffer_changes if c.token_id >= 0)
                 stats.draft_head_seconds = session.reply.head_seconds
                 stats.buffer_update_seconds = self._feedback_seconds[key] + session.reply.buffer_update_seconds
-                stats.set_buffer_hits(buffer_hits(session.reply))
 
 
 def checked_tree(tree: DraftTree, params: TreeParams) -> DraftTree:

@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from evospec.config import SamplingParams, SpecParams, TreeParams
+from evospec.engine.drafter import feedback_for
 from evospec.engine.generate import SpeculativeDecoder
+from evospec.engine.stats import SpecStats
+from evospec.engine.target import VerifiedStep
 from evospec.testing import chi_square_p, exact_two_token_joint, random_pair
 from evospec.verify import VerifyResult
 from evospec.vocab.dynamic import DynamicBuffer
@@ -289,16 +292,27 @@ def test_deferred_updates_are_the_same_updates_one_step_later(pair):
 
 
 def test_buffer_hits_are_counted_by_the_source_that_put_the_id_there(pair):
+    """The target counts a hit for each committed token that was in D when drafted, by the source of that id (the
+    same function counts misses, against the same A)."""
     _, draft = pair
     static = torch.arange(0, 48)
     policy = EvoSpecPolicy(draft.head_weight, static, EvoSpecSettings(dynamic_size=8, use_semantic=False,
                                                                       update_lag=0))
     session = policy.new_session([5, 60])  # 60 ∉ S in the prompt: statistical
-    session.observe(VerifyResult([], [], 6), TargetFeedback(0, 1, {70: TARGET_PRIORITY + 0.5}))  # 70: target-fed
-    assert session.hits == {"statistical": 0, "semantic": 0, "target": 0}
-    session.observe(VerifyResult([0, 1], [60, 70], 7), None)  # both committed while in D
-    session.observe(VerifyResult([0], [70], 80), None)  # 80 was not in D: a miss, no hit
-    assert session.hits == {"statistical": 1, "semantic": 0, "target": 2}
+    assert session.source_of == {60: "statistical"}
+    stats = SpecStats()
+
+    def step(accepted: list[int], bonus: int, candidates: dict[int, float] | None = None) -> None:
+        result = VerifyResult(list(range(len(accepted))), accepted, bonus)
+        logits = torch.zeros(len(result.committed_tokens), 96)
+        fb = feedback_for(VerifiedStep(result, logits), session.in_active(), True, stats, session.source_of)
+        session.observe(result, TargetFeedback(fb.misses, fb.positions, candidates or fb.candidates))
+    step([], 70)  # 70 ∉ A: a miss, and a target-fed candidate
+    assert session.source_of[70] == "target" and (stats.misses, stats.buffer_hits) == (1, 0)
+    step([60, 70], 7)  # both in D when drafted
+    step([70], 80)  # 70 again; 80 was not in D: a miss
+    assert (stats.buffer_hits_statistical, stats.buffer_hits_semantic, stats.buffer_hits_target) == (1, 0, 2)
+    assert stats.misses == 2 and stats.verified_positions == 6
 
 
 def test_deferred_updates_keep_greedy_identical_and_count_hits(pair):

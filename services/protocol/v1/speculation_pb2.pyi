@@ -92,12 +92,14 @@ class TargetToDraft(_message.Message):
     def __init__(self, start: _Optional[_Union[StartSession, _Mapping]] = ..., outcome: _Optional[_Union[Outcome, _Mapping]] = ...) -> None: ...
 
 class SlotChange(_message.Message):
-    __slots__ = ("slot", "token_id")
+    __slots__ = ("slot", "token_id", "source")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     slot: int
     token_id: int
-    def __init__(self, slot: _Optional[int] = ..., token_id: _Optional[int] = ...) -> None: ...
+    source: str
+    def __init__(self, slot: _Optional[int] = ..., token_id: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
 
 class ProbRow(_message.Message):
     __slots__ = ("node", "probs")
@@ -108,7 +110,7 @@ class ProbRow(_message.Message):
     def __init__(self, node: _Optional[int] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DraftToTarget(_message.Message):
-    __slots__ = ("token_ids", "parents", "draft_probs", "buffer_changes", "static_vocab_sha", "head_seconds", "buffer_update_seconds", "buffer_hits_statistical", "buffer_hits_semantic", "buffer_hits_target")
+    __slots__ = ("token_ids", "parents", "draft_probs", "buffer_changes", "static_vocab_sha", "head_seconds", "buffer_update_seconds")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
@@ -116,9 +118,6 @@ class DraftToTarget(_message.Message):
     STATIC_VOCAB_SHA_FIELD_NUMBER: _ClassVar[int]
     HEAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BUFFER_UPDATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    BUFFER_HITS_STATISTICAL_FIELD_NUMBER: _ClassVar[int]
-    BUFFER_HITS_SEMANTIC_FIELD_NUMBER: _ClassVar[int]
-    BUFFER_HITS_TARGET_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedCompositeFieldContainer[ProbRow]
@@ -126,10 +125,7 @@ class DraftToTarget(_message.Message):
     static_vocab_sha: str
     head_seconds: float
     buffer_update_seconds: float
-    buffer_hits_statistical: int
-    buffer_hits_semantic: int
-    buffer_hits_target: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[ProbRow, _Mapping]]] = ..., buffer_changes: _Optional[_Iterable[_Union[SlotChange, _Mapping]]] = ..., static_vocab_sha: _Optional[str] = ..., head_seconds: _Optional[float] = ..., buffer_update_seconds: _Optional[float] = ..., buffer_hits_statistical: _Optional[int] = ..., buffer_hits_semantic: _Optional[int] = ..., buffer_hits_target: _Optional[int] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[ProbRow, _Mapping]]] = ..., buffer_changes: _Optional[_Iterable[_Union[SlotChange, _Mapping]]] = ..., static_vocab_sha: _Optional[str] = ..., head_seconds: _Optional[float] = ..., buffer_update_seconds: _Optional[float] = ...) -> None: ...
 
 class SessionOp(_message.Message):
     __slots__ = ("session_id", "start", "outcome", "close")

@@ -1,0 +1,56 @@
+"""Benchmark building blocks: the prompt sets and the per-arm metrics (what the grid's tables are made of)."""
+import pytest
+import torch
+
+from evospec.bench.grid import grid_arms
+from evospec.bench.harness import WINDOW, Arm, run_arm
+from evospec.bench.prompts import code_prompts, medical_prompts, topic_switch_prompts
+from evospec.config import SamplingParams, SpecParams, TreeParams
+from evospec.datasets import split_pubmedqa
+from evospec.engine.generate import SpeculativeDecoder
+from evospec.testing import random_pair
+
+
+def test_code_prompts_are_distinct_stdlib_function_requests():
+    prompts = code_prompts(6)
+    texts = [conv[0]["content"] for conv in prompts]
+    assert len(set(texts)) == 6 and all(t.startswith("Write a Python function `") for t in texts)
+    assert code_prompts(6) == prompts  # deterministic
+
+
+def test_topic_switch_goes_medical_code_medical_on_held_out_items():
+    train, held = split_pubmedqa()
+    held_questions = {it["question"] for it in held}
+    convs = topic_switch_prompts(3)
+    for conv in convs:
+        assert [m["role"] for m in conv] == ["user", "assistant", "user", "assistant", "user"]
+        assert conv[0]["content"] in held_questions and conv[4]["content"] in held_questions
+        assert conv[0]["content"] != conv[4]["content"]
+        assert conv[2]["content"].startswith("Write a Python function") and "def " in conv[3]["content"]
+    assert not {it["question"] for it in train} & {c[0]["content"] for c in medical_prompts(10)}
+
+
+def test_grid_arms_cover_k_by_dyna_with_frspec_at_dyna_zero():
+    names = [a.name for a in grid_arms(TreeParams(), (8192, 32768), (0, 256), ablations=True)]
+    assert names == ["ar", "sd", "frspec-8k", "evospec-8k+256", "frspec-32k", "evospec-32k+256",
+                     "evospec-32k+256-stat", "evospec-32k+256-sem", "evospec-32k+256-target"]
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    target, draft = random_pair(vocab=96, seed=4, eos=1)
+    return SpeculativeDecoder(target, draft, static_ids=torch.arange(0, 96, 3))  # 32 ids: many misses
+
+
+def test_run_arm_metrics_add_up(decoder):
+    spec = SpecParams(method="evospec", vocab={"static_size": 32, "dynamic_size": 8})
+    sampling = SamplingParams(max_tokens=2 * WINDOW, ignore_eos=True)
+    metrics, outputs = run_arm(decoder, Arm("evospec", spec), [[3, 60, 61], [9, 70]], sampling)
+    assert [len(o) for o in outputs] == [2 * WINDOW] * 2
+    assert 0 < metrics["recovered"] <= 1 and metrics["miss_rate"] < 1
+    shares = [metrics[f"hits_{s}"] for s in ("statistical", "semantic", "target")]
+    assert sum(shares) == pytest.approx(1.0)
+    assert 1 <= metrics["tau_first32"] and 1 <= metrics["tau_after32"]
+    frspec, _ = run_arm(decoder, Arm("frspec", SpecParams(method="frspec", vocab={"static_size": 32})),
+                        [[3, 60, 61], [9, 70]], sampling)
+    assert frspec["recovered"] == 0 and frspec["miss_rate"] > metrics["miss_rate"]
