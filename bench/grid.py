@@ -98,15 +98,15 @@ def median_ms(fn, repeats: int = 30) -> float:
     return round(1000 * statistics.median(times), 3)
 
 
-def head_costs(pair: LoadedPair, statics, dynamics, rows=(1, 4)) -> dict:
+def head_costs(weight: torch.Tensor, static_ids: torch.Tensor, statics, dynamics, rows=(1, 4)) -> dict:
     """Median ms of the draft head (logits over A for n hidden rows): full vocabulary, S only, S + Dyna."""
-    weight = pair.decoder.draft.model.head_weight.detach()
+    weight = weight.detach()
     out = {}
     for n in rows:
         hidden = torch.randn(n, weight.shape[1], dtype=weight.dtype)
         costs = {"full": median_ms(lambda: full_vocab(weight).logits(hidden))}
         for k in statics:
-            static = static_vocab(weight, pair.decoder.policies.static_ids[:k])
+            static = static_vocab(weight, static_ids[:k])
             costs[f"{k // 1024}k"] = median_ms(lambda: pruned_logits(hidden, static.static_rows))
             for d in dynamics:
                 if d:
@@ -228,12 +228,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--statics", nargs="+", type=int, default=list(STATIC_SIZES))
     ap.add_argument("--dynamics", nargs="+", type=int, default=list(DYNAMIC_SIZES), help="0 = frspec")
     ap.add_argument("--no-sd", action="store_true")
+    ap.add_argument("--only", nargs="+", metavar="ARM", help="keep only these arms of the grid (e.g. the goals' arms)")
     ap.add_argument("--ablations", action="store_true", help="one retrieval source at a time (largest K)")
     ap.add_argument("--inline", action="store_true",
                     help="also evospec at the largest K and smallest Dyna with its buffer update inline")
     ap.add_argument("--decoupled", nargs="*", default=[], metavar="ARM",
                     help="arms (by name, e.g. ar frspec-32k evospec-32k+256) also run through the decoupled service "
                          "(the pair's service config), interleaved with the in-process arms")
+    ap.add_argument("--service-adaptive", action="store_true",
+                    help="let the service's scheduler choose each step's draft depth (default: full trees, as the "
+                         "in-process arms draft)")
     ap.add_argument("--tree", default="chain", choices=["chain", "tree"])
     ap.add_argument("--no-costs", action="store_true", help="skip the head and update-time measurements")
     ap.add_argument("--out", type=Path, default=Path("results/bench_grid"))
@@ -245,6 +249,11 @@ def main(argv: list[str] | None = None) -> None:
     arms = grid_arms(tree, args.statics, args.dynamics, args.ablations)
     if args.no_sd:
         arms = [a for a in arms if a.name != "sd"]
+    if args.only:
+        unknown = set(args.only) - {a.name for a in arms}
+        if unknown:
+            raise SystemExit(f"--only: no arms {sorted(unknown)} in this grid; it has {[a.name for a in arms]}")
+        arms = [a for a in arms if a.name in args.only]
     if args.inline and any(args.dynamics):
         arms.append(inline_arm(pair, tree, max(args.statics), min(d for d in args.dynamics if d)))
     sets = tokenize_sets(pair.tokenizer, args.sets, args.prompts)
@@ -258,7 +267,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_costs:
         prompt = tokenize_sets(pair.tokenizer, ["medical"], 1)["medical"][0]
         answer = pair.tokenizer(" ".join(split_pubmedqa()[1][0]["contexts"]))["input_ids"][:300]  # its abstract
-        meta["head_ms"] = head_costs(pair, args.statics, args.dynamics)
+        meta["head_ms"] = head_costs(pair.decoder.draft.model.head_weight, pair.decoder.policies.static_ids,
+                                     args.statics, args.dynamics)
         meta["update_ms"] = update_costs(pair, prompt, answer, args.statics, args.dynamics,
                                          step_s=0.1 if args.pair != TINY else 0.01)
     if args.decoupled:
@@ -276,9 +286,12 @@ def run_with_service(args, pair: LoadedPair, arms: list[Arm], sets, samplings, m
     unknown = [n for n in args.decoupled if n not in by_name or by_name[n].spec is None]
     if unknown:
         raise SystemExit(f"--decoupled: unknown arms {unknown}; choose among {[a.name for a in arms if a.spec]}")
-    cfg = AppConfig.from_yaml(config_for_pair(args.pair)).model_copy(
-        update={"grpc_port": free_port(), "http_port": free_port()})
+    cfg = AppConfig.from_yaml(config_for_pair(args.pair))
+    scheduler = cfg.target.scheduler.model_copy(update={"adaptive": args.service_adaptive})
+    cfg = cfg.model_copy(update={"grpc_port": free_port(), "http_port": free_port(),
+                                 "target": cfg.target.model_copy(update={"scheduler": scheduler})})
     meta["service_config"] = str(config_for_pair(args.pair))
+    meta["service_adaptive_depth"] = args.service_adaptive
     with local_service(cfg) as address, EvoSpecClient(address, timeout=600) as client:
         client.wait_ready(timeout=600)
         arms = arms + [service_arm(client, by_name[n]) for n in args.decoupled]

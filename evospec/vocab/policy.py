@@ -196,8 +196,9 @@ class EvoSessionVocab:
         if settings.update_lag == 0:
             return self._apply(job())
         due = self._pending.result(timeout=settings.update_timeout_s) if self._pending is not None else None
-        self._pending = self.policy.worker.submit(job)
-        return self._apply(due) if due is not None else []
+        changes = self._apply(due) if due is not None else []
+        self._pending = self.policy.worker.submit(job)  # after applying: the job would contend for the GIL
+        return changes
 
     def close(self) -> None:
         """Cancel the update in flight if the worker has not started it (a started one finishes, unread)."""
@@ -236,7 +237,9 @@ class EvoSessionVocab:
         if changes:
             self.active.set_dynamic_many(self.policy.head_weight, [c.slot for c in changes],
                                          [c.token_id for c in changes], delta.biases)
-            self._mask[torch.tensor([c.evicted for c in changes if c.evicted >= 0], dtype=torch.long)] = False
+            evicted = [c.evicted for c in changes if c.evicted >= 0]
+            if evicted:
+                self._mask[torch.tensor(evicted)] = False
             self._mask[torch.tensor([c.token_id for c in changes if c.token_id >= 0], dtype=torch.long)] = True
             for change in changes:
                 self.source_of.pop(change.evicted, None)

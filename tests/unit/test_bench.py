@@ -4,11 +4,13 @@ import torch
 
 from evospec.bench.grid import grid_arms
 from evospec.bench.harness import WINDOW, Arm, run_arm
+from evospec.bench.misses import replay, rows_of
 from evospec.bench.prompts import code_prompts, medical_prompts, topic_switch_prompts
 from evospec.config import SamplingParams, SpecParams, TreeParams
 from evospec.datasets import split_pubmedqa
 from evospec.engine.generate import SpeculativeDecoder
 from evospec.testing import random_pair
+from evospec.vocab.policy import EvoSpecPolicy, EvoSpecSettings
 
 
 def test_code_prompts_are_distinct_stdlib_function_requests():
@@ -54,3 +56,19 @@ def test_run_arm_metrics_add_up(decoder):
     frspec, _ = run_arm(decoder, Arm("frspec", SpecParams(method="frspec", vocab={"static_size": 32})),
                         [[3, 60, 61], [9, 70]], sampling)
     assert frspec["recovered"] == 0 and frspec["miss_rate"] > metrics["miss_rate"]
+
+
+def test_replay_counts_every_position_outside_s_as_a_hit_or_a_miss():
+    _, draft = random_pair(vocab=96, seed=4, eos=1)
+    settings = EvoSpecSettings(dynamic_size=8, update_lag=0, use_semantic=False)
+    policy = EvoSpecPolicy(draft.head_weight, torch.arange(0, 96, 3), settings)  # S = multiples of 3
+    stream = [61, 62, 64, 61, 62, 64, 3, 6, 61]  # 7 positions outside S
+    stats = replay(policy, [([5], stream)])
+    assert stats.verified_positions == 9 and stats.misses + stats.buffer_hits == 7
+    # the first step's three misses are fed back and recur: hits credited to the target-fed source
+    assert (stats.misses, stats.buffer_hits_target, stats.buffer_hits_statistical) == (3, 4, 0)
+
+
+def test_head_row_counts_of_cost_names():
+    assert rows_of("full", 151936) == 151936
+    assert rows_of("16k", 151936) == 16384 and rows_of("8k+1024", 151936) == 9216
