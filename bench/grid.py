@@ -103,7 +103,7 @@ def head_costs(weight: torch.Tensor, static_ids: torch.Tensor, statics, dynamics
     weight = weight.detach()
     out = {}
     for n in rows:
-        hidden = torch.randn(n, weight.shape[1], dtype=weight.dtype)
+        hidden = torch.randn(n, weight.shape[1], dtype=weight.dtype, device=weight.device)
         costs = {"full": median_ms(lambda: full_vocab(weight).logits(hidden))}
         for k in statics:
             static = static_vocab(weight, static_ids[:k])
@@ -283,7 +283,7 @@ def run_with_service(args, pair: LoadedPair, arms: list[Arm], sets, samplings, m
     from evospec.orchestration.local import free_port, local_service
     from evospec_client import EvoSpecClient
     by_name = {a.name: a for a in arms}
-    unknown = [n for n in args.decoupled if n not in by_name or by_name[n].spec is None]
+    unknown = [n for n in args.decoupled if n not in by_name or by_name[n].spec is None or by_name[n].decoder]
     if unknown:
         raise SystemExit(f"--decoupled: unknown arms {unknown}; choose among {[a.name for a in arms if a.spec]}")
     cfg = AppConfig.from_yaml(config_for_pair(args.pair))

@@ -1,4 +1,6 @@
 """Benchmark building blocks: the prompt sets and the per-arm metrics (what the grid's tables are made of)."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -67,6 +69,9 @@ def test_replay_counts_every_position_outside_s_as_a_hit_or_a_miss():
     assert stats.verified_positions == 9 and stats.misses + stats.buffer_hits == 7
     # the first step's three misses are fed back and recur: hits credited to the target-fed source
     assert (stats.misses, stats.buffer_hits_target, stats.buffer_hits_statistical) == (3, 4, 0)
+    no_target = EvoSpecPolicy(draft.head_weight, torch.arange(0, 96, 3), replace(settings, use_target=False))
+    stats = replay(no_target, [([5], stream)])  # the same misses now reach D only through the statistical counts
+    assert stats.buffer_hits_target == 0 and stats.misses + stats.buffer_hits == 7
 
 
 def test_head_row_counts_of_cost_names():
