@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Callable
 
 from evospec.engine.stats import SpecStats
+from evospec.vocab.policy import SOURCES
 
 LATENCY_BUCKETS_S = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0]
 STEP_BUCKETS_S = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25]
@@ -49,6 +50,9 @@ class ServiceMetrics:
                                           "of the miss rate).", tag_keys=tags)
         self.buffer_updates = Counter("evospec_dynamic_buffer_updates", description="Token ids added to dynamic "
                                       "buffers.", tag_keys=tags)
+        self.buffer_hits = Counter("evospec_dynamic_buffer_hits", description="Committed tokens that were in the "
+                                   "dynamic buffer when drafted, by the retrieval source that put them there.",
+                                   tag_keys=(*tags, "source"))
         self.buffer_size = Gauge("evospec_dynamic_buffer_size", description="Dynamic buffer capacity (Dyna) of the "
                                  "last evospec request.", tag_keys=tags)
         self.fallback_steps = Counter("evospec_draft_fallback_steps", description="Steps speculative requests ran "
@@ -83,6 +87,10 @@ class ServiceMetrics:
                 self.misses.inc(stats.misses, t)
         if stats.buffer_updates:
             self.buffer_updates.inc(stats.buffer_updates, t)
+        for source in SOURCES:
+            hits = getattr(stats, f"buffer_hits_{source}")
+            if hits:
+                self.buffer_hits.inc(hits, {**t, "source": source})
         if method == "evospec":
             self.buffer_size.set(dynamic_size, t)
         if stats.fallback_steps:

@@ -21,6 +21,7 @@ def test_spec_decode_counters_follow_stats():
     stats.record_step(drafted=4, accepted=1)
     stats.generated_tokens, stats.misses, stats.verified_positions, stats.buffer_updates = 6, 1, 6, 2
     stats.fallback_steps, stats.draft_resumes = 3, 1
+    stats.buffer_hits_statistical, stats.buffer_hits_target = 2, 1
     m.record(stats, "evospec", ttft_s=0.05, e2e_s=0.30, finish_reason="length", dynamic_size=256)
     t = {"method": "evospec"}
     assert m.num_drafts.name == "spec_decode_num_drafts" and m.num_drafts.values == [(2, t)]
@@ -30,6 +31,7 @@ def test_spec_decode_counters_follow_stats():
     assert m.tpot.values == [((0.30 - 0.05) / 5, t)]
     assert m.misses.values == [(1, t)] and m.verified_positions.values == [(6, t)]
     assert m.buffer_size.values == [(256, t)]
+    assert m.buffer_hits.values == [(2, {**t, "source": "statistical"}), (1, {**t, "source": "target"})]
     assert m.fallback_steps.values == [(3, t)] and m.draft_resumes.values == [(1, t)]
     assert m.requests.values == [(1, {**t, "finished_reason": "length"})]
     # τ as vLLM defines it, from the counters: 1 + accepted / drafts
