@@ -116,6 +116,70 @@ class SchedulerConfig(BaseModel):
     draft_max_retry_s: float = Field(16.0, gt=0)
 
 
+AdaptMode = Literal["off", "lora", "full"]
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class AdaptConfig(BaseModel):
+    """Online adaptation of the draft while it serves (EvoSpec's third part; evospec/adapt, docs/adaptation.md).
+
+    mode: off | lora (low-rank adapters on the decoder projections `modules`, rank `rank`, scale alpha/rank; the
+    base weights, int8 or float, stay frozen) | full (every decoder-layer parameter with its AdamW state: the
+    full-parameter online-distillation baseline; float drafts only). The embeddings and the LM head are never
+    trained, so the static and dynamic head rows the draft scores stay exact copies of the model it serves with.
+    teacher_top_k: the target's top-k log-probabilities sent per verified position (the distillation signal).
+    window: tokens per training example (context + positions with a teacher signal); positions_per_example: teacher
+    positions a session collects before they become one example. replay_size / replay_mb: the replay buffer's bound
+    (examples, and bytes). batch_size: examples per training step; min_examples: replay size before training starts.
+    publish_every: training steps per published version (the update interval); a version is swapped in between two
+    draft steps. train_threads: torch threads of the training worker; max_time_share: share of wall time the worker
+    may compute (it sleeps the rest, so serving keeps the cores). focus_start: curriculum, the share of positions
+    (highest KL first) the loss starts on; it widens to all as the loss falls (docs/adaptation.md). memory_cap_mb:
+    the learner's state (trainable copy, gradients, optimizer, published version, replay buffer) must fit, checked
+    when it starts. checkpoint: adapter file restored at start when it exists and saved every checkpoint_every
+    versions (0 = only on `evospec adapt export`)."""
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    mode: AdaptMode = "off"
+    rank: int = Field(8, ge=1, le=256)
+    alpha: float = Field(16.0, gt=0)
+    modules: tuple[str, ...] = LORA_MODULES
+    lr: float = Field(1e-3, gt=0)
+    teacher_top_k: int = Field(8, ge=1, le=64)
+    window: int = Field(128, ge=8, le=4096)
+    positions_per_example: int = Field(32, ge=1)
+    replay_size: int = Field(256, ge=1)
+    replay_mb: float = Field(64.0, gt=0)
+    batch_size: int = Field(4, ge=1)
+    min_examples: int = Field(2, ge=1)
+    publish_every: int = Field(2, ge=1)
+    train_threads: int = Field(1, ge=1)
+    max_time_share: float = Field(0.5, gt=0, le=1)
+    focus_start: float = Field(0.25, gt=0, le=1)
+    memory_cap_mb: float = Field(4096.0, gt=0)
+    checkpoint: str | None = None
+    checkpoint_every: int = Field(0, ge=0)
+    seed: int = 0
+
+    @field_validator("modules")
+    @classmethod
+    def _known_modules(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = sorted(set(v) - set(LORA_MODULES))
+        if unknown or not v:
+            raise ValueError(f"modules must be a non-empty subset of {LORA_MODULES}; unknown {unknown}")
+        return v
+
+    @model_validator(mode="after")
+    def _window_holds_an_example(self) -> "AdaptConfig":
+        if self.positions_per_example >= self.window:
+            raise ValueError(f"positions_per_example ({self.positions_per_example}) must be below window "
+                             f"({self.window}): an example needs context before its positions")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+
 def draft_seed(seed: int) -> int:
     """The draft's generator seed for a request seeded with `seed`: different from the target's, same range."""
     return (seed + 1) % SEED_SPACE

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from evospec.config import ModelConfig
+from evospec.config import AdaptConfig, ModelConfig
 from evospec.engine.generate import SpeculativeDecoder
 from evospec.model import Qwen3, load_qwen3, quantize_int8
 from evospec.model.qwen3 import calibrate_single_token_padding
@@ -118,8 +118,9 @@ class LoadedPair:
 
 def load_pair(draft: ModelConfig = ModelConfig(), target: ModelConfig = ModelConfig(),
               static_vocab_path: str | Path | None = None, max_model_len: int | None = None,
-              cooc_path: str | Path | None = None) -> LoadedPair:
-    """Both models in this process (demo --in-process, benchmarks). Paths None = embedded defaults."""
+              cooc_path: str | Path | None = None, adapt: AdaptConfig = AdaptConfig()) -> LoadedPair:
+    """Both models in this process (demo --in-process, benchmarks). Paths None = embedded defaults. adapt: online
+    adaptation of the draft (its worker runs until `decoder.close()`)."""
     if (draft.path is None) != (target.path is None):
         raise ValueError("give both --draft and --target model folders, or neither (the embedded tiny pair)")
     target_model, target_dir = load_model(target, "target")
@@ -127,7 +128,7 @@ def load_pair(draft: ModelConfig = ModelConfig(), target: ModelConfig = ModelCon
     static_ids, _ = load_static_ids(static_vocab_path)
     stop_ids = stop_token_ids(target_dir)
     decoder = SpeculativeDecoder(target_model, draft_model, static_ids=static_ids, max_model_len=max_model_len,
-                                 eos_ids=stop_ids, cooc=load_cooc(cooc_path))
+                                 eos_ids=stop_ids, cooc=load_cooc(cooc_path), adapt=adapt)
     return LoadedPair(decoder, load_tokenizer(str(target_dir)), draft_dir, target_dir, stop_ids,
                       vocab_data_path(static_vocab_path, DEFAULT_STATIC_VOCAB).name)
 
@@ -148,7 +149,8 @@ def named_pair_folders(name: str = TINY) -> dict[str, Path]:
 
 
 def load_named_pair(name: str = TINY, device: str = "auto", dtype: str = "auto",
-                    draft_quantize: str = "none") -> LoadedPair:
+                    draft_quantize: str = "none", adapt: AdaptConfig = AdaptConfig()) -> LoadedPair:
     """The embedded tiny pair, or a pair of the model store (fetched beforehand) with its own static vocabulary."""
     draft, target = named_pair_models(name, device, dtype, draft_quantize)
-    return load_pair(draft, target, static_vocab_path=None if name == TINY else get_pair(name).static_vocab)
+    return load_pair(draft, target, static_vocab_path=None if name == TINY else get_pair(name).static_vocab,
+                     adapt=adapt)

@@ -89,3 +89,32 @@ class RandomDepth(SpeculationBudget):
 
     def choose(self, requests, prefill_tokens: int) -> int:
         return self.rng.randrange(0, self.max_depth + 1)
+
+
+class Collector:
+    """A scheduler sink that keeps every event of one request."""
+
+    def __init__(self):
+        self.events = []
+
+    def __call__(self, event):
+        self.events.append(event)
+
+    @property
+    def tokens(self) -> list[int]:
+        from evospec.engine.scheduler import TokensOut
+        return [t for e in self.events if isinstance(e, TokensOut) for t in e.token_ids]
+
+    @property
+    def finished(self):
+        from evospec.engine.scheduler import Failed, Finished
+        return next((e for e in self.events if isinstance(e, Finished | Failed)), None)
+
+
+def run_all(scheduler, requests) -> list[Collector]:
+    """Submit every (prompt, sampling, spec) at once and step until all are done; one sink per request."""
+    sinks = [Collector() for _ in requests]
+    for (prompt, sampling, spec), sink in zip(requests, sinks):
+        scheduler.submit(prompt, sampling, spec, sink)
+    scheduler.run_until_idle()
+    return sinks

@@ -10,14 +10,23 @@ Tree building (one `propose` call):
    all its siblings, and the budget stops further expansions instead of pruning, because pruning a node by its own
    value would bias rejection sampling (a node's presence may depend on earlier nodes, never on itself).
 A chain is the same loop with branching 1.
+
+Online adaptation (evospec/adapt): with a learner, each verified step's teacher signal is recorded in the session's
+trajectory, and every draft step starts by swapping in the newest published weights under the engine's step lock,
+so one step (all its tree levels, every session in it) runs on one version.
 """
 from __future__ import annotations
 
+import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
+from evospec.adapt.learner import Learner
+from evospec.adapt.replay import Trajectory
+from evospec.adapt.signal import TeacherSignal
 from evospec.config import SamplingParams, TreeParams
 from evospec.kernels.tree import chain_then_tree_mask
 from evospec.model import KVCache, Qwen3, Segment
@@ -39,6 +48,7 @@ class DraftSession:
     generator: torch.Generator
     forwarded_slot: dict[int, int] = field(default_factory=dict)  # last tree: node -> scratch cache slot
     head_seconds: float = 0.0  # time in the (pruned) LM head: the FR-Spec/EvoSpec bottleneck
+    trajectory: Trajectory | None = None  # teacher positions not yet given to the learner (adaptation on)
 
 
 @dataclass
@@ -50,8 +60,13 @@ class _Node:
 
 
 class DraftEngine:
-    def __init__(self, model: Qwen3):
+    def __init__(self, model: Qwen3, learner: Learner | None = None):
+        """learner: online adaptation (evospec.adapt.build_learner), its worker started by the caller."""
         self.model = model
+        self.learner = learner
+        # With a learner, draft steps of concurrent callers (several target streams) run one at a time, so a
+        # version swap never lands inside another step's forwards.
+        self._step_lock = threading.Lock() if learner is not None else nullcontext()
 
     @property
     def device(self) -> torch.device:
@@ -70,18 +85,33 @@ class DraftEngine:
         """A session over `cache` (a KVArena region from the scheduler) or a cache of its own."""
         generator = torch.Generator(device=self.device).manual_seed(seed)
         cache = cache if cache is not None else self.model.new_cache(self.cache_tokens(max_len, tree_params))
+        trajectory = self.learner.new_trajectory() if self.learner is not None else None
         return DraftSession(cache, list(prompt_ids), vocab_policy.new_session(prompt_ids), sampling, tree_params,
-                            generator)
+                            generator, trajectory=trajectory)
+
+    def end(self, session: DraftSession) -> None:
+        """The session is over: cancel its pending buffer update, hand its last teacher positions to the learner."""
+        session.vocab.close()
+        if session.trajectory is not None:
+            self.learner.finish(session.trajectory, session.tokens)
+            session.trajectory = None
 
     def propose(self, session: DraftSession, params: TreeParams | None = None) -> DraftTree:
         """One session's next tree (the per-request loop); `params` overrides the session's tree shape."""
         return self.propose_many([(session, params or session.tree_params)])[0]
 
-    @torch.inference_mode()
     def propose_many(self, requests: list[tuple[DraftSession, TreeParams]],
                      prefills: list[tuple[DraftSession, int]] = ()) -> list[DraftTree]:
         """Trees for several sessions with one packed draft forward per tree level (continuous batching); the first
         forward also carries the next `n` prompt tokens of each session in `prefills` (chunked prefill)."""
+        with self._step_lock:
+            if self.learner is not None:
+                self.learner.before_step()  # between steps: the newest adapted weights, whole
+            return self._propose_many(requests, prefills)
+
+    @torch.inference_mode()
+    def _propose_many(self, requests: list[tuple[DraftSession, TreeParams]],
+                      prefills: list[tuple[DraftSession, int]]) -> list[DraftTree]:
         builders = [TreeBuilder(self, session, params) for session, params in requests]
         segments = [self.prefill_segment(session, n) for session, n in prefills]
         segments += [b.feed_segment() for b in builders]
@@ -129,9 +159,15 @@ class DraftEngine:
         return Segment(cache, torch.tensor(session.tokens[start:start + n]), torch.arange(start, start + n),
                        chain_then_tree_mask(start, n, None), start)
 
-    def advance(self, session: DraftSession, result: VerifyResult, feedback: TargetFeedback | None) -> list:
-        """Between steps: commit the verified step, then let the session vocabulary update (-> its slot changes)."""
+    def advance(self, session: DraftSession, result: VerifyResult, feedback: TargetFeedback | None,
+                teacher: TeacherSignal | None = None) -> list:
+        """Between steps: commit the verified step, give its teacher signal to the learner, then let the session
+        vocabulary update (-> its slot changes)."""
+        first_position = len(session.tokens)
         self.commit(session, result)
+        if teacher is not None and session.trajectory is not None:
+            self.learner.record(session.trajectory, session.tokens, first_position, teacher,
+                                len(result.accepted_nodes))
         return session.vocab.observe(result, feedback if session.vocab.wants_target_feedback else None)
 
     def commit(self, session: DraftSession, result: VerifyResult) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from evospec.adapt.signal import teacher_signal
 from evospec.config import SamplingParams, SpecParams, TreeParams
 from evospec.engine.draft import DraftEngine, DraftSession
 from evospec.engine.stats import SpecStats
@@ -80,12 +81,17 @@ class BatchDrafter(Protocol):
 
 
 def observe_locally(engine: DraftEngine, session: DraftSession, verified: VerifiedStep, stats: SpecStats) -> None:
-    """In-process feedback of one verified step: misses and candidates (target side), commit and buffer update."""
+    """In-process feedback of one verified step: misses and candidates (target side), the teacher signal when the
+    draft adapts (a direct call: the same object the service sends in its frames), commit and buffer update."""
     vocab = session.vocab
     start = time.perf_counter()
     fb = feedback_for(verified, vocab.in_active(), vocab.wants_target_feedback, stats, vocab.source_of) \
         if vocab.restricted else None
-    changes = engine.advance(session, verified.result, fb)
+    teacher = teacher_signal(verified.target_logits, engine.learner.cfg.teacher_top_k) \
+        if engine.learner is not None else None
+    if teacher is not None:
+        stats.teacher_signal_bytes += teacher.nbytes
+    changes = engine.advance(session, verified.result, fb, teacher)
     stats.buffer_updates += sum(1 for c in changes if c.token_id >= 0)
     stats.buffer_update_seconds += time.perf_counter() - start
     stats.draft_head_seconds = session.head_seconds
@@ -115,7 +121,7 @@ class LocalDrafter:
         observe_locally(self.engine, self.session, verified, stats)
 
     def close(self) -> None:
-        self.session.vocab.close()
+        self.engine.end(self.session)
 
 
 class LocalBatchDrafter:
@@ -168,5 +174,5 @@ class LocalBatchDrafter:
     def close(self, key: str) -> None:
         session = self.sessions.pop(key, None)
         if session is not None:
-            session.vocab.close()
+            self.engine.end(session)
             self.arena.release(session.cache)

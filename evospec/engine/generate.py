@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from evospec.config import SamplingParams, SpecParams, draft_seed
+from evospec.adapt import Learner, build_learner
+from evospec.config import AdaptConfig, SamplingParams, SpecParams, draft_seed
 from evospec.engine.draft import DraftEngine
 from evospec.engine.drafter import Drafter, DrafterFactory, DraftRequest, LocalDrafter, NoDrafter
 from evospec.engine.stats import SpecStats
@@ -57,13 +58,26 @@ def apply_stop_rules(new_tokens: list[int], generated: int, sampling: SamplingPa
 class SpeculativeDecoder:
     def __init__(self, target: Qwen3, draft: Qwen3 | None = None, static_ids: torch.Tensor | None = None,
                  max_model_len: int | None = None, eos_ids: tuple[int, ...] | None = None,
-                 cooc: CoocIndex | None = None):
-        """eos_ids: the ids generation stops on (evospec.loading.stop_token_ids); None = the config's eos id."""
+                 cooc: CoocIndex | None = None, adapt: AdaptConfig = AdaptConfig()):
+        """eos_ids: the ids generation stops on (evospec.loading.stop_token_ids); None = the config's eos id.
+        adapt: online adaptation of the draft (its worker starts here; `close` stops it)."""
         self.target = TargetEngine(target)
-        self.draft = DraftEngine(draft) if draft is not None else None
+        learner = build_learner(draft, adapt) if draft is not None else None
+        self.draft = DraftEngine(draft, learner) if draft is not None else None
+        if learner is not None:
+            learner.start()
         self.policies = VocabPolicies(draft.head_weight if draft is not None else None, static_ids, cooc)
         self.max_model_len = max_model_len or target.cfg.max_position_embeddings
         self.eos_ids = frozenset(eos_ids if eos_ids is not None else (target.cfg.eos_token_id,))
+
+    @property
+    def learner(self) -> Learner | None:
+        return self.draft.learner if self.draft is not None else None
+
+    def close(self) -> None:
+        """Stop the adaptation worker (if any); the decoder still serves, with the last version."""
+        if self.learner is not None:
+            self.learner.close()
 
     def validate(self, prompt_ids: list[int], sampling: SamplingParams, spec: SpecParams,
                  remote_draft: bool = False) -> None:

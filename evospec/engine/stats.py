@@ -33,6 +33,7 @@ class SpecStats:
     buffer_hits_statistical: int = 0  # committed tokens found in the dynamic buffer, by the source that put them there
     buffer_hits_semantic: int = 0
     buffer_hits_target: int = 0
+    teacher_signal_bytes: int = 0  # online adaptation: the target's top-k payload sent to the draft
 
     def record_step(self, drafted: int, accepted: int) -> None:
         self.steps += 1

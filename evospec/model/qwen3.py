@@ -157,16 +157,20 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
 
-    def forward(self, x, cos, sin, layer: int, segments: list[Segment]) -> torch.Tensor:
+    def forward(self, x, cos, sin, layer: int, segments: list[Segment] | None) -> torch.Tensor:
         """x: [T, hidden], the segments' tokens packed in order; cos/sin: [T, head_dim]. Projections run over all T
         rows at once (the weight-bound part); attention runs per segment over its own cache (layer `layer`), where
-        each segment's K/V are written in place first."""
+        each segment's K/V are written in place first. segments None: x is one sequence, attended causally."""
         t = x.shape[0]
         hd = self.cfg.head_dim
         q = self.q_norm(self.q_proj(x).view(t, -1, hd)).transpose(0, 1)  # [heads, T, hd]
         k = self.k_norm(self.k_proj(x).view(t, -1, hd)).transpose(0, 1)  # [kv_heads, T, hd]
         v = self.v_proj(x).view(t, -1, hd).transpose(0, 1)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if segments is None:  # training forward: one causal sequence, no cache
+            out = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=True,
+                                                 enable_gqa=True)[0]  # [heads, T, hd]
+            return self.o_proj(out.transpose(0, 1).reshape(t, -1))
         outputs, offset = [], 0
         for seg in segments:
             n, start = seg.num_tokens, seg.write_start
@@ -265,6 +269,24 @@ class Qwen3(nn.Module):
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, segments)
+        return self.norm(x)
+
+    def forward_train(self, input_ids: torch.Tensor, layer_params: list[dict[str, torch.Tensor]] | None = None
+                      ) -> torch.Tensor:
+        """Training forward of one sequence (no cache, causal mask, autograd as the caller's mode allows):
+        input_ids [n] -> final-norm hidden states [n, hidden]. Positions start at 0 (RoPE is relative, so a window
+        cut from a longer context attends the same way). layer_params: per-layer parameters used instead of the
+        layers' own (torch.func.functional_call): the full-parameter learner's trainable copy."""
+        device = self.embed_tokens.weight.device
+        input_ids = input_ids.to(device=device, dtype=torch.long)
+        x = self.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(torch.arange(input_ids.shape[0], device=device), self.cfg.head_dim,
+                                self.cfg.rope_theta, x.dtype)
+        for i, layer in enumerate(self.layers):
+            if layer_params is None:
+                x = layer(x, cos, sin, i, None)
+            else:
+                x = torch.func.functional_call(layer, layer_params[i], (x, cos, sin, i, None))
         return self.norm(x)
 
     @torch.inference_mode()

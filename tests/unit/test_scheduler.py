@@ -9,11 +9,11 @@ import torch
 from evospec.config import SamplingParams, SchedulerConfig, SpecParams, TreeParams
 from evospec.engine.budget import OnlineCost, SpeculationBudget, TokenCostTable
 from evospec.engine.generate import SpeculativeDecoder
-from evospec.engine.scheduler import DeadlineExceeded, Failed, Finished, Scheduler, TokensOut
+from evospec.engine.scheduler import DeadlineExceeded, Failed, Finished, Scheduler
 from evospec.errors import EvoSpecError, InvalidRequestError, OverloadedError
 from evospec.kernels.tree import chain_then_tree_mask, chain_then_tree_positions
 from evospec.model import KVArena, Segment
-from evospec.testing import RandomDepth, chi_square_p, exact_two_token_joint, random_pair
+from evospec.testing import Collector, RandomDepth, chi_square_p, exact_two_token_joint, random_pair, run_all
 from evospec.tree import DraftTree
 from evospec.verify import verify_batch, verify_greedy, verify_stochastic
 
@@ -30,22 +30,6 @@ def oracle(decoder, prompt, sampling, spec):
     gen = decoder.generate(prompt, sampling, spec)
     list(gen)
     return gen
-
-
-class Collector:
-    def __init__(self):
-        self.events = []
-
-    def __call__(self, event):
-        self.events.append(event)
-
-    @property
-    def tokens(self):
-        return [t for e in self.events if isinstance(e, TokensOut) for t in e.token_ids]
-
-    @property
-    def finished(self):
-        return next((e for e in self.events if isinstance(e, Finished | Failed)), None)
 
 
 # ---- packed forward and batched verification --------------------------------------------------------------------
@@ -139,15 +123,6 @@ def mixed_requests(temperature_of):
                                   seed=1000 + i, ignore_eos=i % 2 == 0)
         out.append((prompt, sampling, SpecParams(method=method, tree=tree, vocab=vocab)))
     return out
-
-
-def run_all(scheduler, requests) -> list[Collector]:
-    """Submit every (prompt, sampling, spec) at once and step until all are done; one sink per request."""
-    sinks = [Collector() for _ in requests]
-    for (prompt, sampling, spec), sink in zip(requests, sinks):
-        scheduler.submit(prompt, sampling, spec, sink)
-    scheduler.run_until_idle()
-    return sinks
 
 
 @pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])

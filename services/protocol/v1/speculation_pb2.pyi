@@ -70,18 +70,30 @@ class BufferCandidate(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., score: _Optional[float] = ...) -> None: ...
 
 class Outcome(_message.Message):
-    __slots__ = ("accepted_nodes", "accepted_tokens", "bonus_token", "buffer_candidates", "finished")
+    __slots__ = ("accepted_nodes", "accepted_tokens", "bonus_token", "buffer_candidates", "finished", "teacher")
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     BUFFER_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_FIELD_NUMBER: _ClassVar[int]
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
     accepted_tokens: _containers.RepeatedScalarFieldContainer[int]
     bonus_token: int
     buffer_candidates: _containers.RepeatedCompositeFieldContainer[BufferCandidate]
     finished: bool
-    def __init__(self, accepted_nodes: _Optional[_Iterable[int]] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., buffer_candidates: _Optional[_Iterable[_Union[BufferCandidate, _Mapping]]] = ..., finished: _Optional[bool] = ...) -> None: ...
+    teacher: TeacherSignal
+    def __init__(self, accepted_nodes: _Optional[_Iterable[int]] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., buffer_candidates: _Optional[_Iterable[_Union[BufferCandidate, _Mapping]]] = ..., finished: _Optional[bool] = ..., teacher: _Optional[_Union[TeacherSignal, _Mapping]] = ...) -> None: ...
+
+class TeacherSignal(_message.Message):
+    __slots__ = ("k", "token_ids", "logprobs")
+    K_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    k: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: bytes
+    def __init__(self, k: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bytes] = ...) -> None: ...
 
 class TargetToDraft(_message.Message):
     __slots__ = ("start", "outcome")
@@ -172,9 +184,11 @@ class SessionDraft(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., reply: _Optional[_Union[DraftToTarget, _Mapping]] = ..., has_tree: _Optional[bool] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ...) -> None: ...
 
 class DraftStep(_message.Message):
-    __slots__ = ("sessions", "static_vocab_sha")
+    __slots__ = ("sessions", "static_vocab_sha", "teacher_top_k")
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     STATIC_VOCAB_SHA_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_TOP_K_FIELD_NUMBER: _ClassVar[int]
     sessions: _containers.RepeatedCompositeFieldContainer[SessionDraft]
     static_vocab_sha: str
-    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionDraft, _Mapping]]] = ..., static_vocab_sha: _Optional[str] = ...) -> None: ...
+    teacher_top_k: int
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionDraft, _Mapping]]] = ..., static_vocab_sha: _Optional[str] = ..., teacher_top_k: _Optional[int] = ...) -> None: ...
