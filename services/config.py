@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from evospec.config import ModelConfig, SchedulerConfig, SpecParams
+from evospec.config import AdaptConfig, ModelConfig, SchedulerConfig, SpecParams
 
 # Largest internal gRPC message (a sampled tree carries a draft distribution over A per expanded node).
 INTERNAL_MAX_MESSAGE_BYTES = 64 << 20
@@ -56,6 +56,7 @@ class DraftServiceConfig(BaseModel):
     static_vocab: str | None = None  # None = the committed Spec-Bench 32k artifact (must be the target's too)
     cooc: str | None = None  # None = the committed PubMedQA co-occurrence index
     internal_host: str | None = None  # address the speculation stream server binds and advertises; None = node IP
+    adapt: AdaptConfig = AdaptConfig()  # online adaptation of this deployment's draft (off by default)
 
 
 class TargetServiceConfig(BaseModel):

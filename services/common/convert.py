@@ -2,8 +2,10 @@
 Public-API conversions live with the public front (services/target/grpc_api.py)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from evospec.adapt.signal import TeacherSignal
 from evospec.config import SamplingParams, SpecParams, TreeParams, VocabParams, validated
 from evospec.engine.drafter import DraftRequest
 from evospec.errors import InvalidRequestError
@@ -60,35 +62,57 @@ def tree_from_proto(msg: spec_pb.DraftToTarget, active_ids: torch.Tensor | None)
                      torch.tensor(list(msg.parents), dtype=torch.long), probs, active_ids if probs else None)
 
 
-def outcome_to_proto(result: VerifyResult, candidates: dict[int, float]) -> spec_pb.TargetToDraft:
+def outcome_to_proto(result: VerifyResult, candidates: dict[int, float],
+                     teacher: TeacherSignal | None = None) -> spec_pb.TargetToDraft:
     return spec_pb.TargetToDraft(outcome=spec_pb.Outcome(
         accepted_nodes=result.accepted_nodes, accepted_tokens=result.accepted_tokens, bonus_token=result.bonus_token,
-        buffer_candidates=[spec_pb.BufferCandidate(token_id=t, score=s) for t, s in candidates.items()]))
+        buffer_candidates=[spec_pb.BufferCandidate(token_id=t, score=s) for t, s in candidates.items()],
+        teacher=teacher_to_proto(teacher) if teacher is not None else None))
 
 
-def outcome_from_proto(o: spec_pb.Outcome) -> tuple[VerifyResult, dict[int, float]]:
+def outcome_from_proto(o: spec_pb.Outcome) -> tuple[VerifyResult, dict[int, float], TeacherSignal | None]:
     result = VerifyResult(list(o.accepted_nodes), list(o.accepted_tokens), o.bonus_token)
-    return result, {c.token_id: c.score for c in o.buffer_candidates}
+    teacher = teacher_from_proto(o.teacher) if o.HasField("teacher") else None
+    if teacher is not None and teacher.positions != len(result.committed_tokens):
+        raise InvalidRequestError("outcome.teacher", f"has {teacher.positions} positions; the outcome commits "
+                                                     f"{len(result.committed_tokens)} tokens")
+    return result, {c.token_id: c.score for c in o.buffer_candidates}, teacher
+
+
+def teacher_to_proto(signal: TeacherSignal) -> spec_pb.TeacherSignal:
+    """ids row-major as varints, log-probabilities as raw little-endian float16 (2 bytes each)."""
+    return spec_pb.TeacherSignal(k=signal.token_ids.shape[1], token_ids=signal.token_ids.flatten().tolist(),
+                                 logprobs=signal.logprobs.contiguous().numpy().astype("<f2").tobytes())
+
+
+def teacher_from_proto(msg: spec_pb.TeacherSignal) -> TeacherSignal:
+    k, n = msg.k, len(msg.token_ids)
+    if k == 0 or n % k or len(msg.logprobs) != 2 * n:
+        raise InvalidRequestError("outcome.teacher", f"k={k}, {n} ids and {len(msg.logprobs)} log-probability "
+                                                     f"bytes do not form positions x k float16 rows")
+    ids = torch.tensor(list(msg.token_ids), dtype=torch.int32).view(-1, k)
+    logprobs = torch.from_numpy(np.frombuffer(msg.logprobs, dtype="<f2").copy()).view(-1, k)
+    return TeacherSignal(ids, logprobs)
 
 
 def session_op_to_proto(session_id: str, kind: str, request: DraftRequest | None = None,
-                        result: VerifyResult | None = None,
-                        candidates: dict[int, float] | None = None) -> spec_pb.SessionOp:
+                        result: VerifyResult | None = None, candidates: dict[int, float] | None = None,
+                        teacher: TeacherSignal | None = None) -> spec_pb.SessionOp:
     if kind == "start":
         return spec_pb.SessionOp(session_id=session_id, start=start_to_proto(session_id, request).start)
     if kind == "outcome":
-        return spec_pb.SessionOp(session_id=session_id, outcome=outcome_to_proto(result, candidates or {}).outcome)
+        return spec_pb.SessionOp(session_id=session_id, outcome=outcome_to_proto(result, candidates or {}, teacher).outcome)
     return spec_pb.SessionOp(session_id=session_id, close=True)
 
 
 def session_op_from_proto(op: spec_pb.SessionOp):
-    """-> (session id, kind, request, result, candidates); a StartSession is validated like `start_from_proto`."""
+    """-> (session id, kind, request, result, candidates, teacher); a StartSession is validated like
+    `start_from_proto`."""
     kind = op.WhichOneof("op")
     if kind is None:
         raise InvalidRequestError("ops.op", "set one of start, outcome or close")
     if kind == "start":
-        return op.session_id, kind, start_from_proto(op.start), None, None
+        return op.session_id, kind, start_from_proto(op.start), None, None, None
     if kind == "outcome":
-        result, candidates = outcome_from_proto(op.outcome)
-        return op.session_id, kind, None, result, candidates
-    return op.session_id, kind, None, None, None
+        return op.session_id, kind, None, *outcome_from_proto(op.outcome)
+    return op.session_id, kind, None, None, None, None

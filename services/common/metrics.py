@@ -5,8 +5,10 @@ for each metric with a PromQL example.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
+from evospec.adapt.learner import AdaptStats
 from evospec.engine.stats import SpecStats
 from evospec.vocab.policy import SOURCES
 
@@ -100,3 +102,41 @@ class ServiceMetrics:
         if stats.generated_tokens:
             self.generated_tokens.inc(stats.generated_tokens, t)
         self.requests.inc(1, {**t, "finished_reason": finish_reason})
+
+
+class AdaptMetrics:
+    """One instance per draft replica that adapts online; `record(stats)` every few seconds (the deployment's
+    metrics thread): the adapter version serving now, training steps and time, the loss, the learner's memory and
+    the teacher signal received."""
+
+    COUNTED = ("train_steps", "train_seconds", "signal_bytes")
+
+    def __init__(self, backend: Callable[[], tuple] = ray_backend):
+        Counter, _, Gauge = backend()
+        tags = ("mode",)
+        self.version = Gauge("evospec_adapter_version", description="Adapter version the draft serves with (0 = the "
+                             "base model).", tag_keys=tags)
+        self.train_steps = Counter("evospec_adapt_train_steps", description="Online-adaptation training steps.",
+                                   tag_keys=tags)
+        self.train_seconds = Counter("evospec_adapt_train_seconds", description="Compute time of the adaptation "
+                                     "worker.", tag_keys=tags)
+        self.signal_bytes = Counter("evospec_adapt_signal_bytes", description="Teacher-signal payload received "
+                                    "from the target.", tag_keys=tags)
+        self.loss = Gauge("evospec_adapt_loss", description="Moving average of the training loss (weighted KL to the "
+                          "target's top-k).", tag_keys=tags)
+        self.state_bytes = Gauge("evospec_adapt_state_bytes", description="Memory of the learner: trainable weights, "
+                                 "gradients, optimizer state, published copy, replay buffer.", tag_keys=tags)
+        self._last: dict[str, float] = {}
+
+    def record(self, stats: AdaptStats) -> None:
+        t = {"mode": stats.mode}
+        self.version.set(stats.version, t)
+        for name in self.COUNTED:
+            value = getattr(stats, name)
+            delta = value - self._last.get(name, 0)
+            if delta > 0:
+                getattr(self, name).inc(delta, t)
+            self._last[name] = value
+        if not math.isnan(stats.loss_ema):
+            self.loss.set(stats.loss_ema, t)
+        self.state_bytes.set(stats.state_bytes, t)

@@ -6,11 +6,13 @@ applies every session's ops and drafts all their trees with one packed forward p
 """
 from __future__ import annotations
 
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from evospec.adapt import Learner, TeacherSignal, build_learner
 from evospec.config import SamplingParams, SpecParams
 from evospec.engine.budget import clip_depth
 from evospec.engine.draft import DraftEngine, DraftSession
@@ -53,6 +55,7 @@ class Op:
     request: DraftRequest | None = None
     result: VerifyResult | None = None
     candidates: dict[int, float] | None = None
+    teacher: TeacherSignal | None = None
 
 
 @dataclass
@@ -77,9 +80,32 @@ class DraftServer:
         model, folder = load_model(cfg.model, "draft")
         static_ids, sha = load_static_ids(cfg.static_vocab)
         policies = VocabPolicies(model.head_weight, static_ids, load_cooc(cfg.cooc))
-        server = cls(DraftEngine(model), policies, sha, str(Path(folder)))
+        learner = build_learner(model, cfg.adapt)  # before the head rows are gathered: LoRA wraps the layers only
+        server = cls(DraftEngine(model, learner), policies, sha, str(Path(folder)))
         server.warm_up()
+        if learner is not None:
+            learner.start()
         return server
+
+    @property
+    def learner(self) -> Learner | None:
+        return self.engine.learner
+
+    @property
+    def teacher_top_k(self) -> int:
+        """What the target should send with each outcome (0 = this replica does not adapt)."""
+        return self.learner.cfg.teacher_top_k if self.learner is not None else 0
+
+    def shutdown(self) -> None:
+        """Stop the adaptation worker (saving the checkpoint when one is configured) and free every session."""
+        with self._lock:
+            keys = list(self._sessions)
+        for key in keys:
+            self.close(key)
+        if self.learner is not None:
+            self.learner.close()
+            if self.learner.cfg.checkpoint:
+                self.learner.export(self.learner.cfg.checkpoint)
 
     def warm_up(self) -> None:
         """Draft one small tree per method before serving: the first forwards of a fresh process (allocations,
@@ -93,6 +119,25 @@ class DraftServer:
             if step.error is not None:
                 raise RuntimeError(f"draft warm-up ({method}) failed: {step.error}") from step.error
 
+    def export_adapter(self) -> bytes:
+        """The learner's weights as safetensors bytes (InvalidRequestError when this replica does not adapt)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            return self._adapting().export(Path(tmp) / "adapter.safetensors").read_bytes()
+
+    def load_adapter(self, data: bytes) -> int:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "adapter.safetensors"
+            path.write_bytes(data)
+            try:
+                return self._adapting().load(path)
+            except ValueError as exc:
+                raise InvalidRequestError("adapter", str(exc)) from None
+
+    def _adapting(self) -> Learner:
+        if self.learner is None:
+            raise InvalidRequestError("adapt.mode", "this draft deployment does not adapt (adapt.mode: off)")
+        return self.learner
+
     def num_sessions(self) -> int:
         with self._lock:
             return len(self._sessions)
@@ -102,10 +147,11 @@ class DraftServer:
         session = self._create(session_id, request)
         return self._reply(session, session.draft.vocab.initial_changes)
 
-    def step(self, session_id: str, result: VerifyResult, candidates: dict[int, float]) -> DraftReply:
+    def step(self, session_id: str, result: VerifyResult, candidates: dict[int, float],
+             teacher: TeacherSignal | None = None) -> DraftReply:
         """Commit the verified step, update the buffer (target-fed candidates first), draft the next tree."""
         session = self._get(session_id)
-        return self._reply(session, self._advance(session, result, candidates))
+        return self._reply(session, self._advance(session, result, candidates, teacher))
 
     def run_step(self, ops: list[Op], work: dict[str, tuple[int, int]]) -> dict[str, SessionStep]:
         """One engine step of a target replica: ops in order, then trees (depth > 0) and prefill chunks for `work`
@@ -118,7 +164,8 @@ class DraftServer:
                 if op.kind == "start":
                     entry.changes += self._create(op.session_id, op.request).draft.vocab.initial_changes
                 elif op.kind == "outcome":
-                    entry.changes += self._advance(self._get(op.session_id), op.result, op.candidates or {})
+                    entry.changes += self._advance(self._get(op.session_id), op.result, op.candidates or {},
+                                                   op.teacher)
                 else:
                     self.close(op.session_id)
             except Exception as exc:  # noqa: BLE001 - reported for this session only
@@ -158,9 +205,17 @@ class DraftServer:
             self._sessions[session_id] = session
         return session
 
-    def _advance(self, session: _Session, result: VerifyResult, candidates: dict[int, float]) -> list[SlotChange]:
+    def _advance(self, session: _Session, result: VerifyResult, candidates: dict[int, float],
+                 teacher: TeacherSignal | None = None) -> list[SlotChange]:
         start = time.perf_counter()
-        changes = self.engine.advance(session.draft, result, TargetFeedback(0, 0, candidates))
+        if teacher is not None:
+            vocab = self.engine.model.cfg.vocab_size
+            if teacher.token_ids.numel() and not 0 <= int(teacher.token_ids.min()) <= int(teacher.token_ids.max()) \
+                    < vocab:
+                raise InvalidRequestError("outcome.teacher.token_ids", f"ids must be in [0, {vocab})")
+            if self.learner is None:
+                teacher = None  # this replica does not adapt (its config changed since the target asked)
+        changes = self.engine.advance(session.draft, result, TargetFeedback(0, 0, candidates), teacher)
         session.update_seconds += time.perf_counter() - start
         return changes
 
@@ -175,7 +230,7 @@ class DraftServer:
         with self._lock:
             session = self._sessions.pop(session_id, None)
         if session is not None:
-            session.draft.vocab.close()
+            self.engine.end(session.draft)
 
     def _get(self, session_id: str) -> _Session:
         with self._lock:

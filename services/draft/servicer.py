@@ -78,12 +78,12 @@ class DraftServicer(spec_grpc.DraftServicer):
                 for op in msg.ops:
                     sid = prefix + op.session_id
                     try:
-                        _, kind, request, result, candidates = session_op_from_proto(op)
+                        _, kind, request, result, candidates, teacher = session_op_from_proto(op)
                     except InvalidRequestError as exc:  # ends this session only; reported in the reply
                         ops.append(Op(sid, "close"))
                         bad[sid] = exc
                         continue
-                    ops.append(Op(sid, kind, request, result, candidates))
+                    ops.append(Op(sid, kind, request, result, candidates, teacher))
                     if kind == "start":
                         opened.add(sid)
                     elif kind == "close":
@@ -94,7 +94,8 @@ class DraftServicer(spec_grpc.DraftServicer):
                     steps.setdefault(sid, SessionStep()).error = exc
                 yield spec_pb.DraftStep(sessions=[session_to_proto(sid[len(prefix):], step)
                                                   for sid, step in steps.items()],
-                                        static_vocab_sha=self.server.static_vocab_sha)
+                                        static_vocab_sha=self.server.static_vocab_sha,
+                                        teacher_top_k=self.server.teacher_top_k)
         except Exception as exc:  # noqa: BLE001 - one status per failure, never a crash of the server
             log.exception("draft batch stream failed")
             set_status(context, exc)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import grpc
 import torch
 
+from evospec.adapt.signal import teacher_signal
 from evospec.config import SpecParams, TreeParams
 from evospec.engine.budget import tree_depth
 from evospec.engine.drafter import DraftRequest, feedback_for
@@ -195,6 +196,7 @@ class _Link:
         self.stream = _MuxStream(replica.stub)
         self.sessions: set[str] = set()
         self.ops: list[spec_pb.SessionOp] = []
+        self.teacher_top_k = 0  # > 0 once the replica said it adapts online (DraftStep.teacher_top_k)
 
     def take_ops(self) -> list[spec_pb.SessionOp]:
         ops, self.ops = self.ops, []
@@ -295,8 +297,13 @@ class RemoteMuxDrafter:
                 candidates = feedback_for(verified, mirror.mask, self._wants_candidates[key], stats,
                                           mirror.source_of).candidates
                 self._feedback_seconds[key] += time.perf_counter() - start
-            self._home[key].ops.append(session_op_to_proto(key, "outcome", result=verified.result,
-                                                           candidates=candidates))
+            link = self._home[key]
+            teacher = teacher_signal(verified.target_logits, link.teacher_top_k) \
+                if link.teacher_top_k and key in self._drafted else None
+            op = session_op_to_proto(key, "outcome", result=verified.result, candidates=candidates, teacher=teacher)
+            if teacher is not None:
+                stats.teacher_signal_bytes += op.outcome.teacher.ByteSize()  # what the frame carries for it
+            link.ops.append(op)
 
     def flush(self) -> None:
         """Send the step's outcomes and closes now (the replicas commit them while the target goes on). Stream
@@ -334,6 +341,7 @@ class RemoteMuxDrafter:
         returns the last, the reply to this step."""
         while True:
             reply = link.stream.receive(deadline)
+            link.teacher_top_k = reply.teacher_top_k
             self._apply(reply)
             if link.stream.outstanding == 0:
                 return reply

@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from evospec.config import SamplingParams, SchedulerConfig, SpecParams, TreeParams
+from evospec.adapt import build_learner
+from evospec.config import AdaptConfig, SamplingParams, SchedulerConfig, SpecParams, TreeParams
 from evospec.engine.draft import DraftEngine
 from evospec.engine.generate import SpeculativeDecoder
 from evospec.engine.scheduler import Finished, Scheduler, TokensOut
+from evospec.errors import InvalidRequestError
 from evospec.services.config import DraftLinkConfig
 from evospec.services.draft.server import DraftServer
 from evospec.services.draft.servicer import start_draft_server
@@ -400,3 +402,39 @@ def test_a_draft_replica_restarted_at_a_new_address_is_found_and_used():
     assert late.stats.fallback_steps == 0 and late.stats.drafted > 0
     for i, sink in enumerate(sinks):
         assert sink.tokens == ar_tokens(local, [4 + i, 50], len(sink.tokens))
+
+
+def test_an_adapting_draft_learns_over_the_stream_and_greedy_output_stays_the_targets(setup, tmp_path):
+    """The draft replica adapts online (LoRA): the target sends the teacher signal it asked for in its replies, the
+    replica trains and swaps versions while serving, and every greedy output still equals target-only decoding."""
+    local = setup[0]
+    target, draft = random_pair(vocab=VOCAB, seed=9, eos=1)
+    adapt = AdaptConfig(mode="lora", positions_per_example=4, window=16, min_examples=1, batch_size=2,
+                        publish_every=1, max_time_share=1.0, lr=1e-2, teacher_top_k=4)
+    draft_server = DraftServer(DraftEngine(draft, build_learner(draft, adapt)), VocabPolicies(draft.head_weight, STATIC),
+                               "sha")
+    draft_server.learner.start()
+    grpc_server, port = start_draft_server(draft_server, "127.0.0.1")
+    pool = pool_for(f"127.0.0.1:{port}")
+    server = make_server(SpeculativeDecoder(target, None, static_ids=STATIC), pool)
+    try:
+        for round_ in range(3):
+            requests = [GenerateRequest(Prompt(token_ids=[4 + i, 50 + round_, 51, 7]),
+                                        SamplingParams(max_tokens=16, ignore_eos=True),
+                                        spec_for(["sd", "frspec", "evospec"][i % 3])) for i in range(6)]
+            for request, (tokens, finished) in zip(requests, asyncio.run(collect_all(server, requests))):
+                assert tokens == ar_tokens(local, request.prompt.token_ids, 16)
+                if round_:  # the first replies told the target to send the signal
+                    assert finished.stats["teacher_signal_bytes"] > 0
+        assert wait_for(lambda: draft_server.learner.stats.version >= 1, 30)
+        stats = draft_server.learner.stats
+        assert stats.positions > 0 and stats.signal_bytes > 0 and not stats.error
+        other_rank = build_learner(random_pair(vocab=VOCAB, seed=9)[1], adapt.model_copy(update={"rank": 4}))
+        with pytest.raises(InvalidRequestError, match="rank"):
+            draft_server.load_adapter(other_rank.export(tmp_path / "rank4.safetensors").read_bytes())
+        assert draft_server.load_adapter(draft_server.export_adapter()) > stats.version - 1
+    finally:
+        server.close()
+        pool.close()
+        grpc_server.stop(grace=None)
+        draft_server.shutdown()

@@ -1,6 +1,7 @@
 """Service metrics: vLLM-compatible names and the values recorded from per-request stats."""
+from evospec.adapt.learner import AdaptStats
 from evospec.engine.stats import SpecStats
-from evospec.services.common.metrics import ServiceMetrics
+from evospec.services.common.metrics import AdaptMetrics, ServiceMetrics
 
 
 class Recorder:
@@ -36,3 +37,17 @@ def test_spec_decode_counters_follow_stats():
     assert m.requests.values == [(1, {**t, "finished_reason": "length"})]
     # τ as vLLM defines it, from the counters: 1 + accepted / drafts
     assert 1 + m.num_accepted_tokens.values[0][0] / m.num_drafts.values[0][0] == stats.tau
+
+
+def test_adapt_metrics_follow_the_learner():
+    m = AdaptMetrics(backend=lambda: (Recorder, Recorder, Recorder))
+    stats = AdaptStats(mode="lora", version=3, train_steps=10, train_seconds=2.5, signal_bytes=4000, loss_ema=0.7,
+                       state_bytes=1 << 20)
+    m.record(stats)
+    stats.train_steps, stats.signal_bytes, stats.version = 14, 4000, 4
+    m.record(stats)
+    t = {"mode": "lora"}
+    assert m.version.name == "evospec_adapter_version" and m.version.values == [(3, t), (4, t)]
+    assert m.train_steps.values == [(10, t), (4, t)]  # increments, not totals
+    assert m.signal_bytes.values == [(4000, t)]  # no change, no increment
+    assert m.loss.values[-1] == (0.7, t) and m.state_bytes.values[-1] == (1 << 20, t)
