@@ -246,7 +246,7 @@ def cmd_vocab(args) -> int:
     return 0
 
 
-BENCH_SUITES = ("v1", "grid", "misses", "random", "decoupled", "real", "concurrency")
+BENCH_SUITES = ("v1", "grid", "misses", "adapt", "random", "decoupled", "real", "concurrency")
 PASSTHROUGH = {"loadtest": "evospec.loadtest.run", "loadtest-sweep": "evospec.loadtest.sweep",
                "train-tiny": "evospec.tiny_pair.train", "chaos": "evospec.orchestration.chaos"}
 
@@ -320,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Subcommands with their own argparse (dispatched in `main` before this parser runs; listed here for --help).
     bench = sub.add_parser("bench", help="side-by-side benchmarks: v1 (ar/sd/frspec/HF), grid (EvoSpec table), "
                                          "misses (how much of the text outside S the buffer recovers), "
+                                         "adapt (online adaptation over a medical stream), "
                                          "random, decoupled, real (the fetched real pair), concurrency (batching "
                                          "under load); "
                                          "`evospec bench SUITE --help`")

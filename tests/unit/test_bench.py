@@ -1,16 +1,19 @@
 """Benchmark building blocks: the prompt sets and the per-arm metrics (what the grid's tables are made of)."""
+import time
 from dataclasses import replace
 
 import pytest
 import torch
 
+from evospec.bench.adapt import arm_adapt, arm_spec, medical_stream, serve_stream, summarize
 from evospec.bench.grid import grid_arms
 from evospec.bench.harness import WINDOW, Arm, run_arm
 from evospec.bench.misses import replay, rows_of
 from evospec.bench.prompts import code_prompts, medical_prompts, topic_switch_prompts
-from evospec.config import SamplingParams, SpecParams, TreeParams
+from evospec.config import AdaptConfig, SamplingParams, SpecParams, TreeParams
 from evospec.datasets import split_pubmedqa
 from evospec.engine.generate import SpeculativeDecoder
+from evospec.loading import load_named_pair
 from evospec.testing import random_pair
 from evospec.vocab.policy import EvoSpecPolicy, EvoSpecSettings
 
@@ -77,3 +80,41 @@ def test_replay_counts_every_position_outside_s_as_a_hit_or_a_miss():
 def test_head_row_counts_of_cost_names():
     assert rows_of("full", 151936) == 151936
     assert rows_of("16k", 151936) == 16384 and rows_of("8k+1024", 151936) == 9216
+
+
+def test_bench_adapt_stream_on_the_tiny_pair_is_lossless_and_the_adapters_change():
+    """`evospec bench adapt` in CI size: a short medical stream on the tiny pair, adaptation off and LoRA, same
+    prompts and seeds: every greedy output is target-only decoding's, and the served adapter moved off zero."""
+    prompts = None
+    outputs = {}
+    for arm in ("off", "lora"):
+        loaded = load_named_pair(adapt=arm_adapt(arm, AdaptConfig(positions_per_example=16, window=48,
+                                                                 max_time_share=1.0)))
+        try:
+            prompts = prompts or medical_stream(loaded.tokenizer, 6)
+            sampling = SamplingParams(max_tokens=24, ignore_eos=True)
+            result = serve_stream(loaded, prompts, list(range(6)), arm_spec(arm, 4096, 64), sampling)
+            outputs[arm] = [r["output"] for r in result["rows"]]
+            if arm == "lora":
+                learner = loaded.decoder.learner
+                deadline = time.monotonic() + 60
+                while learner.stats.version < 1 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                learner.before_step()  # what the next draft step would do
+                assert learner.stats.version >= 1 and not learner.stats.error
+                assert any(float(b.abs().max()) > 0 for _, b in learner.bank.serving.values())
+                assert result["rows"][-1]["teacher_bytes"] > 0
+            ar = []
+            for p in prompts:
+                gen = loaded.decoder.generate(p, sampling, SpecParams(method="ar"))
+                list(gen)
+                ar.append(gen.output_ids)
+            assert outputs[arm] == ar, arm
+        finally:
+            loaded.decoder.close()
+    summary = summarize({arm: {"rows": [{"index": i, "tau": 2.0, "tokens_per_s": 1.0, "step_seconds": 0.1,
+                                         "teacher_bytes": 0, "steps": 1, "output": o}
+                                        for i, o in enumerate(outs)],
+                               "rss_samples": [(0.0, 100.0)], "peak_rss_mb": 100.0, "wall_seconds": 1.0,
+                               "learner": None} for arm, outs in outputs.items()}, n=6, w=2)
+    assert summary["compared_requests"] == 6 and summary["output_mismatches"] == []
