@@ -123,9 +123,11 @@ LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 class AdaptConfig(BaseModel):
     """Online adaptation of the draft while it serves (EvoSpec's third part; evospec/adapt, docs/adaptation.md).
 
-    mode: off | lora (low-rank adapters on the decoder projections `modules`, rank `rank`, scale alpha/rank; the
-    base weights, int8 or float, stay frozen) | full (every decoder-layer parameter with its AdamW state: the
-    full-parameter online-distillation baseline; float drafts only). The embeddings and the LM head are never
+    mode: off | lora (low-rank adapters on the decoder projections `modules` of the last `layers` decoder layers
+    (0 = all), rank `rank`, scale alpha/rank; the base weights, int8 or float, stay frozen) | full (every
+    decoder-layer parameter with its AdamW state: the full-parameter online-distillation baseline, as in OSD; float
+    drafts only). With LoRA on the last layers only, the frozen layers below are run once per example and their
+    output is kept with it, so a training step costs the adapted layers' forward and backward alone. The embeddings and the LM head are never
     trained, so the static and dynamic head rows the draft scores stay exact copies of the model it serves with.
     teacher_top_k: the target's top-k log-probabilities sent per verified position (the distillation signal).
     window: tokens per training example (context + positions with a teacher signal); positions_per_example: teacher
@@ -143,6 +145,7 @@ class AdaptConfig(BaseModel):
     rank: int = Field(8, ge=1, le=256)
     alpha: float = Field(16.0, gt=0)
     modules: tuple[str, ...] = LORA_MODULES
+    layers: int = Field(4, ge=0)
     lr: float = Field(1e-3, gt=0)
     teacher_top_k: int = Field(8, ge=1, le=64)
     window: int = Field(128, ge=8, le=4096)

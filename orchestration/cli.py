@@ -1,4 +1,4 @@
-"""`evospec` command line: demo, serve, generate, models, vocab, bench, loadtest, train-tiny."""
+"""`evospec` command line: demo, serve, generate, models, vocab, adapt, bench, loadtest, train-tiny."""
 from __future__ import annotations
 
 import argparse
@@ -316,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     cooc.add_argument("--out", default="evospec/vocab/data/cooc-pubmedqa.safetensors")
     cooc.add_argument("--static-vocab", default="evospec/vocab/data/qwen3-specbench-32k.json")
     vocab.set_defaults(func=cmd_vocab)
+
+    from evospec.orchestration.adapt import add_parser as add_adapt_parser
+    add_adapt_parser(sub)
 
     # Subcommands with their own argparse (dispatched in `main` before this parser runs; listed here for --help).
     bench = sub.add_parser("bench", help="side-by-side benchmarks: v1 (ar/sd/frspec/HF), grid (EvoSpec table), "

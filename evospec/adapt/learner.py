@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from evospec.adapt.lora import AdapterTable, install_lora
+from evospec.adapt.lora import AdapterTable, first_adapted_layer, install_lora
 from evospec.adapt.replay import Curriculum, Example, ReplayBuffer, Trajectory
 from evospec.adapt.signal import TeacherSignal
 from evospec.config import AdaptConfig
@@ -174,9 +174,16 @@ class Learner:
         batch = self.replay.sample(self.cfg.batch_size)
         head = self.model.head_weight
         total = 0.0
+        first = self.first_trained_layer
         for example in batch:  # one backward per example: activations of one window alive at a time
+            prefix = None
+            if first > 0:
+                if example.prefix_hidden is None:  # frozen layers: run once per example, then reused
+                    self.replay.cache_prefix(example, self.model.forward_layers(example.input_ids, first))
+                prefix = example.prefix_hidden if example.prefix_hidden is not None else \
+                    self.model.forward_layers(example.input_ids, first)
             with self._training_forward() as layer_params:
-                hidden = self.model.forward_train(example.input_ids, layer_params)  # [L, H]
+                hidden = self.model.forward_train(example.input_ids, layer_params, first, prefix)  # [L, H]
                 kl = distill_kl(hidden[example.rows.to(hidden.device)], head, example.teacher_ids,
                                 example.teacher_logprobs)  # [P]
                 weights = self.curriculum.weights(kl.detach().cpu(), example.accepted).to(kl.device)
@@ -213,6 +220,7 @@ class Learner:
         c = self.model.cfg
         return {"format": "evospec-adapter", "mode": self.mode, "rank": str(self.cfg.rank),
                 "alpha": str(self.cfg.alpha), "modules": ",".join(self.cfg.modules),
+                "layers": str(self.first_trained_layer),
                 "base": f"{c.num_hidden_layers}x{c.hidden_size}/{c.vocab_size}", "version": str(self._published)}
 
     def export(self, path: str | Path) -> Path:
@@ -232,7 +240,7 @@ class Learner:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
         mine = self.metadata()
-        for key in ("format", "mode", "rank", "modules", "base"):
+        for key in ("format", "mode", "rank", "modules", "layers", "base"):
             if meta.get(key) != mine[key]:
                 raise ValueError(f"{path}: adapter {key} is {meta.get(key)!r}, this draft needs {mine[key]!r}")
         tensors = load_file(str(path), device=str(self.device))
@@ -245,6 +253,8 @@ class Learner:
         return self.publish()
 
     # -- what is trained (subclasses) -----------------------------------------------------------------------------
+    first_trained_layer = 0  # layers below it are frozen: their output is computed once per example
+
     def _trainable(self) -> list[torch.Tensor]:
         raise NotImplementedError
 
@@ -272,7 +282,8 @@ class LoRALearner(Learner):
 
     def __init__(self, model: Qwen3, cfg: AdaptConfig):
         super().__init__(model, cfg)
-        self.bank, self.layers = install_lora(model, cfg.modules)
+        self.bank, self.layers = install_lora(model, cfg.modules, cfg.layers)
+        self.first_trained_layer = first_adapted_layer(len(model.layers), cfg.layers)
         self.scale = cfg.alpha / cfg.rank
         generator = torch.Generator().manual_seed(cfg.seed)
         self.a: dict[str, torch.Tensor] = {}

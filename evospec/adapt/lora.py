@@ -81,17 +81,25 @@ class LoRALinear(nn.Module):
         return y + ((x.to(a.dtype) @ a.t()) @ b.t()).to(y.dtype)
 
 
-def install_lora(model: nn.Module, modules: tuple[str, ...]) -> tuple[AdapterBank, dict[str, LoRALinear]]:
-    """Wrap the named projections of every decoder layer (q_proj ... down_proj) in place; returns the bank and the
-    wrapped layers by their full names (layers.3.self_attn.q_proj)."""
+def first_adapted_layer(num_layers: int, layers: int) -> int:
+    """Index of the first decoder layer that gets adapters when the last `layers` do (0 = all)."""
+    return 0 if layers == 0 else max(0, num_layers - layers)
+
+
+def install_lora(model: nn.Module, modules: tuple[str, ...], layers: int = 0
+                 ) -> tuple[AdapterBank, dict[str, LoRALinear]]:
+    """Wrap the named projections (q_proj ... down_proj) of the last `layers` decoder layers (0 = all) in place;
+    returns the bank and the wrapped layers by their full names (layers.3.self_attn.q_proj)."""
     bank = AdapterBank()
     wrapped: dict[str, LoRALinear] = {}
-    for parent_name, parent in list(model.layers.named_modules(prefix="layers")):
-        for child_name, child in list(parent.named_children()):
-            if child_name in modules and not isinstance(child, LoRALinear):
-                name = f"{parent_name}.{child_name}"
-                wrapped[name] = LoRALinear(child, name, bank)
-                setattr(parent, child_name, wrapped[name])
+    first = first_adapted_layer(len(model.layers), layers)
+    for index in range(first, len(model.layers)):
+        for parent_name, parent in list(model.layers[index].named_modules(prefix=f"layers.{index}")):
+            for child_name, child in list(parent.named_children()):
+                if child_name in modules and not isinstance(child, LoRALinear):
+                    name = f"{parent_name}.{child_name}"
+                    wrapped[name] = LoRALinear(child, name, bank)
+                    setattr(parent, child_name, wrapped[name])
     if not wrapped:
         raise ValueError(f"no decoder projection named {modules} to adapt")
     return bank, wrapped

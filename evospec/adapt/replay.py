@@ -16,7 +16,7 @@ import torch
 from evospec.adapt.signal import TeacherSignal
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity (the buffer looks examples up)
 class Example:
     input_ids: torch.Tensor  # [L] int32: a window of committed tokens
     rows: torch.Tensor  # [P] int64: row r of the window's hidden states predicts token start + r + 1
@@ -24,11 +24,13 @@ class Example:
     teacher_logprobs: torch.Tensor  # [P, k] float16
     accepted: torch.Tensor  # [P] bool: the draft proposed the committed token there and the target accepted it
     priority: float = math.inf  # its last mean KL; inf = not trained on yet
+    prefix_hidden: torch.Tensor | None = None  # [L, hidden] input of the first adapted layer (frozen below), cached
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.input_ids, self.rows, self.teacher_ids,
-                                                          self.teacher_logprobs, self.accepted))
+        tensors = (self.input_ids, self.rows, self.teacher_ids, self.teacher_logprobs, self.accepted,
+                   *(() if self.prefix_hidden is None else (self.prefix_hidden,)))
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class Trajectory:
@@ -97,6 +99,13 @@ class ReplayBuffer:
             while len(self._examples) > self.max_examples or (self._bytes > self.max_bytes
                                                               and len(self._examples) > 1):
                 self._bytes -= self._examples.popleft().nbytes
+
+    def cache_prefix(self, example: Example, hidden: torch.Tensor) -> None:
+        """Keep the frozen layers' output with an example still in the buffer (its bytes count toward the bound)."""
+        with self._lock:
+            if example.prefix_hidden is None and any(e is example for e in self._examples):
+                example.prefix_hidden = hidden
+                self._bytes += hidden.numel() * hidden.element_size()
 
     def sample(self, n: int) -> list[Example]:
         with self._lock:

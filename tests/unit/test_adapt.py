@@ -275,3 +275,23 @@ def test_sampling_follows_the_target_while_the_draft_adapts():
     assert versions >= 10  # the draft changed many times during the test
     joint = exact_two_token_joint(target, prompt, sampling.model_copy(update={"max_tokens": 2}))
     assert chi_square_p(counts, joint) > 1e-3
+
+
+def test_lora_on_the_last_layers_caches_the_frozen_prefix_exactly():
+    model, _ = random_pair(vocab=96, seed=2, target_layers=3)
+    learner = LoRALearner(model, AdaptConfig(mode="lora", layers=1, **FAST))
+    assert learner.first_trained_layer == 2 and all(n.startswith("layers.2.") for n in learner.layers)
+    for b in learner.b.values():
+        b.data.normal_()
+    ids = torch.tensor([5, 9, 3, 7, 11, 2], dtype=torch.int32)
+    with learner._training_forward():
+        whole = model.forward_train(ids)
+        resumed = model.forward_train(ids, None, 2, model.forward_layers(ids, 2))
+    assert torch.allclose(whole, resumed, atol=1e-5)
+    example = Trajectory(16, 1)
+    example.add(3, signal(3), accepted=1)
+    ex = example.cut([5, 9, 3, 7, 11, 2])
+    learner.replay.add(ex)
+    before = learner.replay.nbytes
+    learner.train_step()
+    assert ex.prefix_hidden is not None and learner.replay.nbytes == before + ex.prefix_hidden.numel() * 4
