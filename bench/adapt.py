@@ -130,7 +130,8 @@ def run_worker(args) -> None:
     torch.set_num_threads(args.threads)
     arm = args.worker
     adapt = arm_adapt(arm, adapt_config(args))
-    loaded = load_named_pair(args.pair, draft_quantize=args.draft_quantize, adapt=adapt)
+    loaded = load_named_pair(args.pair, draft_quantize=args.draft_quantize, adapt=adapt) if args.pair == TINY else \
+        load_named_pair(args.pair, dtype=args.dtype, draft_quantize=args.draft_quantize, adapt=adapt)
     try:
         prompts = medical_stream(loaded.tokenizer, args.requests)
         sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True)
@@ -219,7 +220,8 @@ def goals(summary: dict) -> list[tuple[str, float, float]]:
 def render(summary: dict, args) -> str:
     w = args.stationary_window
     lines = [f"# bench adapt: {args.pair}, {args.requests} PubMedQA questions in order, max_tokens {args.max_tokens}, "
-             f"T={args.temperature}, static {args.static_size} + dynamic {args.dynamic_size}, W = {w}", "",
+             f"T={args.temperature}, draft {args.draft_quantize}, target {args.dtype}, static {args.static_size} + "
+             f"dynamic {args.dynamic_size}, W = {w}", "",
              f"| arm | requests | τ first {w} | τ last {w} | tok/s first {w} | tok/s last {w} | steps/s last {w} | "
              "extra peak MB | extra steady MB | learner state MB | train share | versions | steps | loss EMA | "
              "signal B/step |",
@@ -274,8 +276,10 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                     help="W: arms without adaptation run on the first and last W requests only (0 = all)")
     ap.add_argument("--static-size", type=int, default=32768)
     ap.add_argument("--dynamic-size", type=int, default=256)
-    ap.add_argument("--draft-quantize", default="none", choices=("none", "int8"),
-                    help="int8 drafts cannot run the full-parameter arm (no float weights to train)")
+    ap.add_argument("--draft-quantize", default="int8", choices=("none", "int8"),
+                    help="the draft's layers (real pairs; int8 = the shipped CPU config). The full-parameter arm "
+                         "trains float weights: run it with none")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="the target's (real pairs)")
     ap.add_argument("--rank", type=int, default=base.rank)
     ap.add_argument("--lr", type=float, default=base.lr)
     ap.add_argument("--teacher-top-k", type=int, default=base.teacher_top_k)
@@ -298,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.worker:
         return run_worker(args)
-    if "full" in args.arms and args.draft_quantize == "int8":
+    if "full" in args.arms and args.draft_quantize == "int8" and args.pair != TINY:
         ap.error("the full-parameter arm trains float weights: use --draft-quantize none or drop 'full'")
     w = min(args.stationary_window or args.requests, args.requests // 2)
     args.stationary_window = w

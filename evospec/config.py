@@ -146,7 +146,7 @@ class AdaptConfig(BaseModel):
     alpha: float = Field(16.0, gt=0)
     modules: tuple[str, ...] = LORA_MODULES
     layers: int = Field(4, ge=0)
-    lr: float = Field(1e-3, gt=0)
+    lr: float = Field(2e-4, gt=0)
     teacher_top_k: int = Field(8, ge=1, le=64)
     window: int = Field(128, ge=8, le=4096)
     positions_per_example: int = Field(32, ge=1)
@@ -156,7 +156,7 @@ class AdaptConfig(BaseModel):
     min_examples: int = Field(2, ge=1)
     publish_every: int = Field(2, ge=1)
     train_threads: int = Field(1, ge=1)
-    max_time_share: float = Field(0.5, gt=0, le=1)
+    max_time_share: float = Field(0.25, gt=0, le=1)
     focus_start: float = Field(0.25, gt=0, le=1)
     memory_cap_mb: float = Field(4096.0, gt=0)
     checkpoint: str | None = None
