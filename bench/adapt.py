@@ -34,7 +34,7 @@ from tqdm import tqdm
 from evospec.config import AdaptConfig, SamplingParams, SpecParams
 from evospec.datasets import pubmedqa_items
 from evospec.loading import LoadedPair, load_named_pair
-from evospec.modelstore.catalog import pair_names
+from evospec.modelstore.catalog import TINY, pair_names
 from evospec.tokenizer import chat_prompt_ids
 
 ARMS = ("frspec", "off", "lora", "full")
@@ -311,8 +311,10 @@ def main(argv: list[str] | None = None) -> None:
     for arm in args.arms:  # one process per arm, one after another: its RSS is its own, nothing else runs
         out = args.out / f"arm_{arm}.json"
         print(f"[{arm}] serving the stream in its own process ...", flush=True)
-        subprocess.run([sys.executable, "-m", "evospec.bench.adapt", *argv, "--worker", arm, "--worker-out",
-                        str(out)], check=True)
+        code = subprocess.run([sys.executable, "-m", "evospec.bench.adapt", *argv, "--worker", arm,
+                               "--worker-out", str(out)]).returncode
+        if code != 0:
+            sys.exit(f"arm {arm} failed (exit code {code}); its error is printed above")
         results[arm] = json.loads(out.read_text())
     summary = summarize(results, args.requests, w)
     md = render(summary, args)

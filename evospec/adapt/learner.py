@@ -10,6 +10,7 @@ proposes, verification is the target's, and a tree's draft probabilities are tho
 """
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import threading
@@ -48,6 +49,7 @@ class AdaptStats:
     signal_bytes: int = 0  # teacher payload received
     train_seconds: float = 0.0  # worker compute time
     state_bytes: int = 0  # trainable weights + gradients + optimizer + published copy + replay buffer
+    skipped_steps: int = 0  # steps whose loss was not finite (not applied)
     error: str = ""  # the worker stopped on this error (serving goes on with the last version)
     losses: list[float] = field(default_factory=list, repr=False)  # per training step (bounded)
 
@@ -56,14 +58,22 @@ def distill_kl(hidden: torch.Tensor, head: torch.Tensor, teacher_ids: torch.Tens
                teacher_logprobs: torch.Tensor) -> torch.Tensor:
     """hidden: [P, H]; head: [V, H]; teacher_*: [P, k] -> [P] KL(p̂ ‖ q) with p̂ the target's top-k renormalized and
     q the draft's full-vocabulary distribution (read at those k ids)."""
-    logq = torch.log_softmax((hidden @ head.t()).float(), dim=-1)  # [P, V]
+    logq = torch.log_softmax((hidden.to(head.dtype) @ head.t()).float(), dim=-1)  # [P, V]
     logq_k = logq.gather(1, teacher_ids.to(logq.device, torch.long))  # [P, k]
     logp = torch.log_softmax(teacher_logprobs.to(logq.device, torch.float32), dim=-1)  # [P, k]
-    return (logp.exp() * (logp - logq_k)).sum(-1)
+    p = logp.exp()
+    return torch.where(p > 0, p * (logp - logq_k), 0.0).sum(-1)  # ids with p = 0 (log-prob -inf) add nothing
 
 
 def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _tensors_of(weights) -> list[torch.Tensor]:
+    """The tensors of a published version (LoRA: {name: (A, B)}; full: [{name: tensor}] per layer)."""
+    if isinstance(weights, dict):
+        return [t for pair in weights.values() for t in pair]
+    return [t for layer in weights for t in layer.values()]
 
 
 class Learner:
@@ -81,17 +91,19 @@ class Learner:
         self.stats = AdaptStats(mode=self.mode)
         self._pending: tuple[int, object] | None = None  # (version, publishable) not swapped in yet
         self._published = 0
-        self._lock = threading.Lock()
+        self._pending_lock = threading.Lock()  # the hand-over only: serving never waits for training
+        self._train_lock = threading.RLock()  # a training step, publishing, export and load: one at a time
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.optimizer: torch.optim.Optimizer | None = None
 
     # -- memory -------------------------------------------------------------------------------------------------
     def estimate_bytes(self) -> int:
-        """Steady state when training: trainable fp32 + gradient + AdamW's two moments, the published copy, and the
-        replay buffer at its cap."""
+        """Steady state when training: trainable fp32 + gradient + AdamW's two moments, a served and a pending
+        version in the model's dtype, and the replay buffer at its cap."""
         params = sum(p.numel() for p in self._trainable())
-        return params * 4 * 4 + self._published_bytes() + int(self.cfg.replay_mb * MB)
+        version = params * self.model.embed_tokens.weight.element_size()
+        return params * 4 * 4 + 2 * version + int(self.cfg.replay_mb * MB)
 
     def check_memory_cap(self) -> None:
         need = self.estimate_bytes() / MB
@@ -105,8 +117,10 @@ class Learner:
         grads = [p.grad for p in trainable if p.grad is not None]
         moments = [v for s in (self.optimizer.state.values() if self.optimizer else ()) for v in s.values()
                    if isinstance(v, torch.Tensor)]
+        pending = self._pending
+        pending_bytes = 0 if pending is None else tensor_bytes(_tensors_of(pending[1]))
         return tensor_bytes(trainable) + tensor_bytes(grads) + tensor_bytes(moments) + self._published_bytes() + \
-            self.replay.nbytes
+            pending_bytes + self.replay.nbytes
 
     # -- serving thread -----------------------------------------------------------------------------------------
     def new_trajectory(self) -> Trajectory:
@@ -131,7 +145,7 @@ class Learner:
 
     def before_step(self) -> None:
         """Swap in the newest published version (the caller guarantees no draft forward is running)."""
-        with self._lock:
+        with self._pending_lock:
             pending, self._pending = self._pending, None
         if pending is not None:
             version, weights = pending
@@ -170,20 +184,23 @@ class Learner:
             self.stats.error = f"{type(exc).__name__}: {exc}"
 
     def train_step(self) -> float:
-        """One AdamW step on a batch sampled from the replay buffer; returns the weighted KL."""
+        """One AdamW step on a batch sampled from the replay buffer; returns the weighted KL (a step whose loss is
+        not finite is skipped)."""
+        with self._train_lock:
+            return self._train_step()
+
+    def _train_step(self) -> float:
         batch = self.replay.sample(self.cfg.batch_size)
         head = self.model.head_weight
         total = 0.0
         first = self.first_trained_layer
         for example in batch:  # one backward per example: activations of one window alive at a time
-            prefix = None
-            if first > 0:
-                if example.prefix_hidden is None:  # frozen layers: run once per example, then reused
-                    self.replay.cache_prefix(example, self.model.forward_layers(example.input_ids, first))
-                prefix = example.prefix_hidden if example.prefix_hidden is not None else \
-                    self.model.forward_layers(example.input_ids, first)
-            with self._training_forward() as layer_params:
-                hidden = self.model.forward_train(example.input_ids, layer_params, first, prefix)  # [L, H]
+            prefix = example.prefix_hidden
+            if first > 0 and prefix is None:  # frozen layers: run once per example, then kept with it
+                prefix = self.model.forward_layers(example.input_ids, first)
+                self.replay.cache_prefix(example, prefix)
+            with self._training_forward() as layers:
+                hidden = self.model.forward_train(example.input_ids, layers, first, prefix)  # [L, H]
                 kl = distill_kl(hidden[example.rows.to(hidden.device)], head, example.teacher_ids,
                                 example.teacher_logprobs)  # [P]
                 weights = self.curriculum.weights(kl.detach().cpu(), example.accepted).to(kl.device)
@@ -191,11 +208,15 @@ class Learner:
                 (loss / len(batch)).backward()
             example.priority = float(kl.detach().mean())
             total += float(loss.detach())
-        with self._lock:  # export/load never see a half-applied step
+        loss = total / max(1, len(batch))
+        if math.isfinite(loss):
             nn.utils.clip_grad_norm_(self._trainable(), 1.0)
             self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=False)  # keep the gradient buffers: steady memory, no churn
-        loss = total / max(1, len(batch))
+        else:
+            self.stats.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=False)  # keep the gradient buffers: steady memory, no churn
+        if not math.isfinite(loss):
+            return loss
         self.curriculum.update(loss)
         s = self.stats
         s.train_steps += 1
@@ -206,11 +227,12 @@ class Learner:
 
     def publish(self) -> int:
         """A detached copy of the trainable weights becomes the next version (swapped in by `before_step`)."""
-        weights = self._publishable()
-        with self._lock:
-            self._published += 1
-            self._pending = (self._published, weights)
-            version = self._published
+        with self._train_lock:
+            weights = self._publishable()
+            with self._pending_lock:
+                self._published += 1
+                self._pending = (self._published, weights)
+                version = self._published
         if self.cfg.checkpoint and self.cfg.checkpoint_every and version % self.cfg.checkpoint_every == 0:
             self.export(self.cfg.checkpoint)
         return version
@@ -227,7 +249,7 @@ class Learner:
         """Save the trainable weights (not the optimizer state) and what they fit, as safetensors."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with self._lock:  # a consistent copy even while the worker trains
+        with self._train_lock:  # a consistent copy: never in the middle of a training step
             tensors = {k: v.detach().clone().contiguous() for k, v in self._state_dict().items()}
         tmp = path.with_name(path.name + ".tmp")
         save_file(tensors, str(tmp), metadata=self.metadata())
@@ -237,20 +259,23 @@ class Learner:
     def load(self, path: str | Path) -> int:
         """Load an exported file into the trainable weights and publish it; returns the new version."""
         from safetensors import safe_open
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+            tensors = load_file(str(path), device=str(self.device))
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            raise ValueError(f"not a readable safetensors adapter file ({type(exc).__name__})") from None
         mine = self.metadata()
-        for key in ("format", "mode", "rank", "modules", "layers", "base"):
+        for key in ("format", "mode", "rank", "alpha", "modules", "layers", "base"):
             if meta.get(key) != mine[key]:
-                raise ValueError(f"{path}: adapter {key} is {meta.get(key)!r}, this draft needs {mine[key]!r}")
-        tensors = load_file(str(path), device=str(self.device))
-        own = self._state_dict()
-        if set(tensors) != set(own) or any(tensors[k].shape != own[k].shape for k in own):
-            raise ValueError(f"{path}: tensors do not match this draft's {self.mode} weights")
-        with torch.no_grad(), self._lock:
+                raise ValueError(f"adapter {key} is {meta.get(key)!r}; this draft needs {mine[key]!r}")
+        with torch.no_grad(), self._train_lock:  # between training steps: no saved tensor changes under autograd
+            own = self._state_dict()
+            if set(tensors) != set(own) or any(tensors[k].shape != own[k].shape for k in own):
+                raise ValueError(f"adapter tensors do not match this draft's {self.mode} weights")
             for key, value in tensors.items():
                 own[key].copy_(value)
-        return self.publish()
+            return self.publish()
 
     # -- what is trained (subclasses) -----------------------------------------------------------------------------
     first_trained_layer = 0  # layers below it are frozen: their output is computed once per example
@@ -259,7 +284,8 @@ class Learner:
         raise NotImplementedError
 
     def _training_forward(self):
-        """A context manager for one example's forward, yielding the layer parameters for `forward_train`."""
+        """A context manager for one example's forward, yielding the decoder layers for `forward_train` (None =
+        the model's own)."""
         raise NotImplementedError
 
     def _publishable(self) -> object:
@@ -334,22 +360,22 @@ class FullLearner(Learner):
             raise ValueError("adapt.mode 'full' trains float weights; this draft's layers are int8 "
                              "(model.quantize: int8). Use quantize: none, or adapt.mode: lora")
         super().__init__(model, cfg)
-        self.params = [{n: p.detach().float().clone().requires_grad_() for n, p in layer.named_parameters()}
-                       for layer in model.layers]
+        # The worker's own fp32 copy of the layers: training never touches the modules serving reads.
+        self.train_layers = copy.deepcopy(model.layers).float().requires_grad_(True)
         self.optimizer = torch.optim.AdamW(self._trainable(), lr=cfg.lr, weight_decay=0.0)
 
     def _trainable(self) -> list[torch.Tensor]:
-        return [p for layer in self.params for p in layer.values()]
+        return list(self.train_layers.parameters())
 
     @contextmanager
-    def _training_forward(self) -> Iterator[list[dict[str, torch.Tensor]]]:
-        dtype = self.model.embed_tokens.weight.dtype
-        yield [{n: p.to(dtype) for n, p in layer.items()} for layer in self.params]
+    def _training_forward(self) -> Iterator[nn.ModuleList]:
+        yield self.train_layers
 
     def _publishable(self) -> list[dict[str, torch.Tensor]]:
         dtype = self.model.embed_tokens.weight.dtype
         with torch.no_grad():
-            return [{n: p.detach().to(dtype).clone() for n, p in layer.items()} for layer in self.params]
+            return [{n: p.detach().to(dtype).clone() for n, p in layer.named_parameters()}
+                    for layer in self.train_layers]
 
     def _published_bytes(self) -> int:
         return 0  # a version replaces the serving weights, which exist without adaptation too
@@ -361,7 +387,7 @@ class FullLearner(Learner):
                 own[name].data = value
 
     def _state_dict(self) -> dict[str, torch.Tensor]:
-        return {f"layers.{i}.{n}": p for i, layer in enumerate(self.params) for n, p in layer.items()}
+        return {f"layers.{i}.{n}": p for i, layer in enumerate(self.train_layers) for n, p in layer.named_parameters()}
 
 
 def build_learner(model: Qwen3, cfg: AdaptConfig) -> Learner | None:

@@ -57,14 +57,15 @@ class Trajectory:
         none fits in the window."""
         if not self.positions:
             return None
-        end = self.positions[-1]  # the window's input is tokens[start:end]; its last row predicts tokens[end]
+        positions, signals, flags = self.positions, self.signals, self.accepted
+        self.positions, self.signals, self.accepted = [], [], []  # cleared first: a bad signal is dropped, once
+        end = positions[-1]  # the window's input is tokens[start:end]; its last row predicts tokens[end]
         start = max(0, end - self.window)
-        ids = torch.cat([s.token_ids for s in self.signals])  # [n, k]
-        logprobs = torch.cat([s.logprobs for s in self.signals])
-        keep = [i for i, p in enumerate(self.positions) if p - 1 >= start]
-        rows = torch.tensor([self.positions[i] - start - 1 for i in keep], dtype=torch.long)
-        accepted = torch.tensor([self.accepted[i] for i in keep], dtype=torch.bool)
-        self.positions, self.signals, self.accepted = [], [], []
+        ids = torch.cat([s.token_ids for s in signals])  # [n, k]
+        logprobs = torch.cat([s.logprobs for s in signals])
+        keep = [i for i, p in enumerate(positions) if p - 1 >= start]
+        rows = torch.tensor([positions[i] - start - 1 for i in keep], dtype=torch.long)
+        accepted = torch.tensor([flags[i] for i in keep], dtype=torch.bool)
         if not keep:
             return None
         index = torch.tensor(keep)
@@ -101,11 +102,14 @@ class ReplayBuffer:
                 self._bytes -= self._examples.popleft().nbytes
 
     def cache_prefix(self, example: Example, hidden: torch.Tensor) -> None:
-        """Keep the frozen layers' output with an example still in the buffer (its bytes count toward the bound)."""
+        """Keep the frozen layers' output with an example still in the buffer, when the byte bound allows (its
+        bytes count toward it; otherwise the worker recomputes it next time)."""
+        size = hidden.numel() * hidden.element_size()
         with self._lock:
-            if example.prefix_hidden is None and any(e is example for e in self._examples):
+            if example.prefix_hidden is None and self._bytes + size <= self.max_bytes and \
+                    any(e is example for e in self._examples):
                 example.prefix_hidden = hidden
-                self._bytes += hidden.numel() * hidden.element_size()
+                self._bytes += size
 
     def sample(self, n: int) -> list[Example]:
         with self._lock:

@@ -271,25 +271,23 @@ class Qwen3(nn.Module):
             x = layer(x, cos, sin, i, segments)
         return self.norm(x)
 
-    def forward_train(self, input_ids: torch.Tensor, layer_params: list[dict[str, torch.Tensor]] | None = None,
-                      start_layer: int = 0, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_train(self, input_ids: torch.Tensor, layers: nn.ModuleList | None = None, start_layer: int = 0,
+                      hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Training forward of one sequence (no cache, causal mask, autograd as the caller's mode allows):
         input_ids [n] -> final-norm hidden states [n, hidden]. Positions start at 0 (RoPE is relative, so a window
-        cut from a longer context attends the same way). layer_params: per-layer parameters used instead of the
-        layers' own (torch.func.functional_call): the full-parameter learner's trainable copy. start_layer + hidden
+        cut from a longer context attends the same way). layers: decoder layers to use instead of the model's own
+        (the full-parameter learner's trainable copy, possibly in another dtype). start_layer + hidden
         [n, hidden]: resume from the input of layer `start_layer` (what `forward_layers(..., end=start_layer)`
         returned), so frozen layers below the adapted ones run once per example."""
+        layers = self.layers if layers is None else layers
         device = self.embed_tokens.weight.device
-        n = input_ids.shape[0]
-        cos, sin = rope_cos_sin(torch.arange(n, device=device), self.cfg.head_dim, self.cfg.rope_theta,
-                                self.embed_tokens.weight.dtype)
+        dtype = layers[start_layer].input_layernorm.weight.dtype
+        cos, sin = rope_cos_sin(torch.arange(input_ids.shape[0], device=device), self.cfg.head_dim,
+                                self.cfg.rope_theta, dtype)
         x = self.embed_tokens(input_ids.to(device=device, dtype=torch.long)) if hidden is None else hidden.to(device)
-        for i in range(start_layer, len(self.layers)):
-            layer = self.layers[i]
-            if layer_params is None:
-                x = layer(x, cos, sin, i, None)
-            else:
-                x = torch.func.functional_call(layer, layer_params[i], (x, cos, sin, i, None))
+        x = x.to(dtype)
+        for i in range(start_layer, len(layers)):
+            x = layers[i](x, cos, sin, i, None)
         return self.norm(x)
 
     @torch.no_grad()

@@ -90,9 +90,14 @@ def teacher_from_proto(msg: spec_pb.TeacherSignal) -> TeacherSignal:
     if k == 0 or n % k or len(msg.logprobs) != 2 * n:
         raise InvalidRequestError("outcome.teacher", f"k={k}, {n} ids and {len(msg.logprobs)} log-probability "
                                                      f"bytes do not form positions x k float16 rows")
-    ids = torch.tensor(list(msg.token_ids), dtype=torch.int32).view(-1, k)
-    logprobs = torch.from_numpy(np.frombuffer(msg.logprobs, dtype="<f2").copy()).view(-1, k)
-    return TeacherSignal(ids, logprobs)
+    ids = np.fromiter(msg.token_ids, dtype=np.int64, count=n)
+    if n and int(ids.max()) >= 2**31:
+        raise InvalidRequestError("outcome.teacher.token_ids", "ids must be vocabulary ids (below 2^31)")
+    logprobs = np.frombuffer(msg.logprobs, dtype="<f2").astype(np.float32)
+    if np.isnan(logprobs).any() or (logprobs == np.inf).any():
+        raise InvalidRequestError("outcome.teacher.logprobs", "log-probabilities must be numbers (no NaN or +inf)")
+    return TeacherSignal(torch.from_numpy(ids.astype(np.int32)).view(-1, k),
+                         torch.from_numpy(logprobs.astype(np.float16)).view(-1, k))
 
 
 def session_op_to_proto(session_id: str, kind: str, request: DraftRequest | None = None,

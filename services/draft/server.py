@@ -128,8 +128,9 @@ class DraftServer:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "adapter.safetensors"
             path.write_bytes(data)
+            learner = self._adapting()
             try:
-                return self._adapting().load(path)
+                return learner.load(path)
             except ValueError as exc:
                 raise InvalidRequestError("adapter", str(exc)) from None
 
@@ -215,6 +216,9 @@ class DraftServer:
                 raise InvalidRequestError("outcome.teacher.token_ids", f"ids must be in [0, {vocab})")
             if self.learner is None:
                 teacher = None  # this replica does not adapt (its config changed since the target asked)
+            elif teacher.token_ids.shape[1] != self.teacher_top_k:
+                raise InvalidRequestError("outcome.teacher.k", f"is {teacher.token_ids.shape[1]}; this replica asked "
+                                                               f"for {self.teacher_top_k}")
         changes = self.engine.advance(session.draft, result, TargetFeedback(0, 0, candidates), teacher)
         session.update_seconds += time.perf_counter() - start
         return changes

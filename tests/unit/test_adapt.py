@@ -295,3 +295,39 @@ def test_lora_on_the_last_layers_caches_the_frozen_prefix_exactly():
     before = learner.replay.nbytes
     learner.train_step()
     assert ex.prefix_hidden is not None and learner.replay.nbytes == before + ex.prefix_hidden.numel() * 4
+
+
+def test_full_parameter_training_never_touches_the_serving_layers_until_a_swap():
+    target, draft = random_pair(vocab=96, seed=3, noise=0.8)
+    learner = FullLearner(draft, AdaptConfig(mode="full", **FAST))
+    serving = draft.layers[0].mlp.up_proj.weight
+    before = serving.detach().clone()
+    traj = learner.new_trajectory()
+    traj.add(3, signal(6), accepted=2)
+    learner.replay.add(traj.cut([5, 9, 3, 7, 11, 2, 8, 1, 4]))
+    for _ in range(3):
+        learner.train_step()
+    assert torch.equal(draft.layers[0].mlp.up_proj.weight, before)  # training ran on the worker's own copy
+    learner.publish()
+    assert torch.equal(draft.layers[0].mlp.up_proj.weight, before)  # published, not swapped in yet
+    learner.before_step()
+    assert not torch.equal(draft.layers[0].mlp.up_proj.weight, before)
+    assert torch.allclose(draft.layers[0].mlp.up_proj.weight, learner.train_layers[0].mlp.up_proj.weight)
+
+
+def test_bad_teacher_values_never_break_training():
+    head = torch.eye(6)
+    hidden = torch.randn(2, 6)
+    lp = torch.tensor([[-0.1, -3.0, -float("inf")], [-0.5, -1.0, -2.0]]).half()
+    assert torch.isfinite(distill_kl(hidden, head, torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32), lp)).all()
+
+
+def test_a_file_that_is_not_an_adapter_is_refused(tmp_path):
+    learner = LoRALearner(random_pair(vocab=64, hidden=32)[1], AdaptConfig(mode="lora", rank=4))
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a safetensors file at all")
+    with pytest.raises(ValueError, match="not a readable"):
+        learner.load(bad)
+    other_alpha = LoRALearner(random_pair(vocab=64, hidden=32)[1], AdaptConfig(mode="lora", rank=4, alpha=4.0))
+    with pytest.raises(ValueError, match="alpha"):
+        learner.load(other_alpha.export(tmp_path / "alpha4.safetensors"))

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -438,3 +439,35 @@ def test_an_adapting_draft_learns_over_the_stream_and_greedy_output_stays_the_ta
         pool.close()
         grpc_server.stop(grace=None)
         draft_server.shutdown()
+
+
+def test_a_malformed_teacher_signal_fails_its_session_only():
+    from evospec.adapt.signal import TeacherSignal
+    from evospec.services.common.convert import session_op_from_proto, teacher_to_proto
+    from evospec.services.draft.server import Op
+    from evospec.services.protocol.v1 import speculation_pb2 as spec_pb
+    from evospec.verify import VerifyResult
+    good = TeacherSignal(torch.zeros(1, 4, dtype=torch.int32), torch.zeros(1, 4, dtype=torch.float16))
+    msg = teacher_to_proto(good)
+    for field, broken in (("token_ids", spec_pb.TeacherSignal(k=4, token_ids=[2**31 + 5, 0, 0, 0],
+                                                               logprobs=msg.logprobs)),
+                          ("logprobs", spec_pb.TeacherSignal(k=4, token_ids=[0] * 4,
+                                                             logprobs=np.full(4, np.nan, "<f2").tobytes())),
+                          ("teacher", spec_pb.TeacherSignal(k=3, token_ids=[0] * 4, logprobs=msg.logprobs))):
+        op = spec_pb.SessionOp(session_id="s", outcome=spec_pb.Outcome(accepted_nodes=[], accepted_tokens=[],
+                                                                       bonus_token=1, teacher=broken))
+        with pytest.raises(InvalidRequestError, match=field):
+            session_op_from_proto(op)
+    _, draft = random_pair(vocab=VOCAB, seed=9, eos=1)
+    adapt = AdaptConfig(mode="lora", teacher_top_k=8)
+    server = DraftServer(DraftEngine(draft, build_learner(draft, adapt)), VocabPolicies(draft.head_weight, STATIC))
+    from evospec.engine.drafter import DraftRequest
+    request = DraftRequest([4, 5, 6], SamplingParams(), spec_for("evospec"), 64, 0)
+    steps = server.run_step([Op("a", "start", request), Op("b", "start", request)], {"a": (2, 0), "b": (2, 0)})
+    wrong_k = Op("a", "outcome", result=VerifyResult([], [], 7), candidates={}, teacher=good)  # k 4, asked 8
+    fine = Op("b", "outcome", result=VerifyResult([], [], 7), candidates={},
+              teacher=TeacherSignal(torch.zeros(1, 8, dtype=torch.int32), torch.zeros(1, 8, dtype=torch.float16)))
+    steps = server.run_step([wrong_k, fine], {"b": (2, 0)})
+    assert isinstance(steps["a"].error, InvalidRequestError) and "teacher.k" in str(steps["a"].error)
+    assert steps["b"].error is None and steps["b"].tree is not None
+    server.shutdown()
