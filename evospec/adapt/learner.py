@@ -172,10 +172,10 @@ class Learner:
                     self._stop.wait(0.05)
                     continue
                 start = time.perf_counter()
-                self.train_step()
+                loss = self.train_step()
                 seconds = time.perf_counter() - start
                 self.stats.train_seconds += seconds
-                if self.stats.train_steps % self.cfg.publish_every == 0:
+                if math.isfinite(loss) and self.stats.train_steps % self.cfg.publish_every == 0:
                     self.publish()
                 share = self.cfg.max_time_share  # sleep so that compute stays within its share of wall time
                 self._stop.wait(seconds * (1.0 - share) / share)
