@@ -4,6 +4,10 @@ handles to the Draft deployment (the control plane; the data plane is the intern
 With several draft replicas each adapts on the sessions it serves: a handle call reaches one replica (Serve's
 routing), so `status` and `export` report that replica and `load` loads into that one. To give every replica the same
 adapter, set `draft.adapt.checkpoint` in the application config (restored when a replica starts) and redeploy.
+
+It joins a Ray cluster that other drivers can join (`ray start --head`, then `serve run` / `serve deploy` of the
+application). `evospec serve` runs its own private local cluster, which this command cannot reach: there, the
+checkpoint is the way to save and restore the adapter. Not exercised against a live cluster in CI.
 """
 from __future__ import annotations
 
