@@ -19,6 +19,7 @@ teacher-signal bytes per step, and greedy outputs compared across arms (they mus
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -115,14 +116,10 @@ def serve_stream(loaded: LoadedPair, prompts: list[list[int]], indices: list[int
                          "train_steps": learner.stats.train_steps if learner else 0,
                          "output": gen.output_ids})
         wall = time.perf_counter() - start
-    stats = learner.stats if learner else None
     return {"rows": rows, "wall_seconds": wall, "peak_rss_mb": round(rss.peak, 1), "rss_samples": rss.samples,
-            "learner": None if stats is None else {
-                "mode": stats.mode, "version": stats.version, "train_steps": stats.train_steps,
-                "loss_ema": stats.loss_ema, "focus": stats.focus, "train_seconds": stats.train_seconds,
-                "state_mb": stats.state_bytes / MB, "estimate_mb": learner.estimate_bytes() / MB,
-                "examples_added": stats.examples_added, "positions": stats.positions, "error": stats.error,
-                "losses": stats.losses}}
+            "learner": None if learner is None else {
+                **dataclasses.asdict(learner.stats), "state_mb": learner.stats.state_bytes / MB,
+                "estimate_mb": learner.estimate_bytes() / MB}}
 
 
 def run_worker(args) -> None:

@@ -77,7 +77,7 @@ def _tensors_of(weights) -> list[torch.Tensor]:
 
 
 class Learner:
-    """Replay, curriculum, worker, versions; subclasses say what is trained (`_trainable`, `_table_for_training`,
+    """Replay, curriculum, worker, versions; subclasses say what is trained (`_trainable`, `_training_forward`,
     `_publishable`, `_apply`, `_state_dict`)."""
     mode = "base"
 
@@ -209,14 +209,13 @@ class Learner:
             example.priority = float(kl.detach().mean())
             total += float(loss.detach())
         loss = total / max(1, len(batch))
-        if math.isfinite(loss):
-            nn.utils.clip_grad_norm_(self._trainable(), 1.0)
-            self.optimizer.step()
-        else:
-            self.stats.skipped_steps += 1
-        self.optimizer.zero_grad(set_to_none=False)  # keep the gradient buffers: steady memory, no churn
         if not math.isfinite(loss):
+            self.optimizer.zero_grad(set_to_none=False)
+            self.stats.skipped_steps += 1
             return loss
+        nn.utils.clip_grad_norm_(self._trainable(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)  # keep the gradient buffers: steady memory, no churn
         self.curriculum.update(loss)
         s = self.stats
         s.train_steps += 1
@@ -337,12 +336,10 @@ class LoRALearner(Learner):
                     for name in self.layers}
 
     def _published_bytes(self) -> int:
-        table = self.bank.serving or {}
-        return tensor_bytes(t for pair in table.values() for t in pair)
+        return tensor_bytes(_tensors_of(self.bank.serving or {}))
 
     def _apply(self, weights: AdapterTable) -> None:
         self.bank.serving = weights  # one reference: every later forward reads this version whole
-        self.bank.version += 1
 
     def _state_dict(self) -> dict[str, torch.Tensor]:
         return {**{f"{n}.lora_A": t for n, t in self.a.items()}, **{f"{n}.lora_B": t for n, t in self.b.items()}}

@@ -24,7 +24,6 @@ AdapterTable = dict[str, tuple[torch.Tensor, torch.Tensor]]  # module name -> (A
 class AdapterBank:
     def __init__(self):
         self.serving: AdapterTable | None = None
-        self.version = 0
         self._local = threading.local()
 
     def lookup(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -280,25 +280,25 @@ class Qwen3(nn.Module):
         [n, hidden]: resume from the input of layer `start_layer` (what `forward_layers(..., end=start_layer)`
         returned), so frozen layers below the adapted ones run once per example."""
         layers = self.layers if layers is None else layers
-        device = self.embed_tokens.weight.device
-        dtype = layers[start_layer].input_layernorm.weight.dtype
-        cos, sin = rope_cos_sin(torch.arange(input_ids.shape[0], device=device), self.cfg.head_dim,
-                                self.cfg.rope_theta, dtype)
-        x = self.embed_tokens(input_ids.to(device=device, dtype=torch.long)) if hidden is None else hidden.to(device)
-        x = x.to(dtype)
-        for i in range(start_layer, len(layers)):
-            x = layers[i](x, cos, sin, i, None)
-        return self.norm(x)
+        return self.norm(self._causal_layers(input_ids, layers, start_layer, len(layers), hidden))
 
     @torch.no_grad()
     def forward_layers(self, input_ids: torch.Tensor, end: int) -> torch.Tensor:
         """The input of layer `end` for one sequence (layers 0..end-1, causal, no cache): [n] -> [n, hidden]."""
+        return self._causal_layers(input_ids, self.layers, 0, end, None)
+
+    def _causal_layers(self, input_ids: torch.Tensor, layers: nn.ModuleList, start: int, end: int,
+                       hidden: torch.Tensor | None) -> torch.Tensor:
+        """layers[start:end] over one sequence from position 0, causal, no cache; their input is `hidden`
+        [n, hidden] or, when None, the embeddings of input_ids [n]. Runs in the layers' dtype."""
         device = self.embed_tokens.weight.device
-        x = self.embed_tokens(input_ids.to(device=device, dtype=torch.long))
+        dtype = layers[start].input_layernorm.weight.dtype if start < end else self.embed_tokens.weight.dtype
         cos, sin = rope_cos_sin(torch.arange(input_ids.shape[0], device=device), self.cfg.head_dim,
-                                self.cfg.rope_theta, x.dtype)
-        for i in range(end):
-            x = self.layers[i](x, cos, sin, i, None)
+                                self.cfg.rope_theta, dtype)
+        x = self.embed_tokens(input_ids.to(device=device, dtype=torch.long)) if hidden is None else hidden.to(device)
+        x = x.to(dtype)
+        for i in range(start, end):
+            x = layers[i](x, cos, sin, i, None)
         return x
 
     @torch.inference_mode()
