@@ -19,16 +19,20 @@ Retrieval = Literal["statistical", "semantic", "target"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Quantize = Literal["none", "int8"]
 SEED_SPACE = 2**64  # seeds are uint64 (the public API's type and torch.Generator's range)
+# Sampling temperatures below this divide float32 logits into inf/NaN (1e-39 did); greedy is temperature 0 exactly.
+MIN_TEMPERATURE = 1e-3
+MAX_TEMPERATURE = 100.0
+MAX_DYNAMIC_SIZE = 4096  # EvoSpec buffer slots a request may ask for (the paper uses 256-1024)
 
 
 class SamplingParams(BaseModel):
     """temperature 0 = greedy. top_k 0 = off. top_p 1.0 = off. seed None = nondeterministic."""
     model_config = ConfigDict(frozen=True, extra="forbid")
     max_tokens: int = Field(128, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
+    temperature: float = Field(0.0, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=SEED_SPACE)
     ignore_eos: bool = False
 
     @field_validator("temperature", "top_p")
@@ -36,6 +40,13 @@ class SamplingParams(BaseModel):
     def _finite(cls, v: float) -> float:
         if not math.isfinite(v):
             raise ValueError("must be a finite number")
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_or_stable(cls, v: float) -> float:
+        if 0.0 < v < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}: smaller values overflow the logits")
         return v
 
     @property
@@ -62,9 +73,15 @@ class TreeParams(BaseModel):
 class VocabParams(BaseModel):
     """static_size: K most frequent tokens (FR-Spec). dynamic_size: Dyna slots of the EvoSpec buffer."""
     model_config = ConfigDict(frozen=True, extra="forbid")
-    static_size: int = Field(32768, ge=1)
-    dynamic_size: int = Field(256, ge=0)
+    static_size: int = Field(32768, ge=1)  # at most the loaded static vocabulary's size (checked by the server)
+    dynamic_size: int = Field(256, ge=0, le=MAX_DYNAMIC_SIZE)
     retrieval: tuple[Retrieval, ...] = get_args(Retrieval)
+
+    @field_validator("retrieval")
+    @classmethod
+    def _canonical(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        """A set, in one order: requests naming the same sources share one policy (and one cache entry)."""
+        return tuple(r for r in get_args(Retrieval) if r in v)
 
 
 class SpecParams(BaseModel):

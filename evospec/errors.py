@@ -18,6 +18,10 @@ class InvalidRequestError(EvoSpecError, ValueError):
         return type(self), (self.field, self.message)
 
 
+class UnauthenticatedError(EvoSpecError):
+    """The call carries no valid credentials (-> UNAUTHENTICATED; HTTP 401)."""
+
+
 class OverloadedError(EvoSpecError):
     """Too many concurrent generations (-> RESOURCE_EXHAUSTED)."""
 

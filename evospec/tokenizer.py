@@ -42,3 +42,10 @@ def chat_prompt_ids(tokenizer, messages: list[dict], enable_thinking: bool = Fal
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                          enable_thinking=enable_thinking)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def max_token_bytes(tokenizer) -> int:
+    """An upper bound on the UTF-8 bytes of text one token covers (the longest vocabulary entry; byte-level BPE
+    entries are written one character per byte, which only overestimates). A text of more than
+    `n * max_token_bytes` bytes has more than n tokens, so it can be refused without tokenizing it."""
+    return max(len(token.encode("utf-8")) for token in tokenizer.get_vocab())

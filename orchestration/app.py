@@ -4,6 +4,9 @@
 """
 from __future__ import annotations
 
+import os
+import secrets
+
 from ray.serve import Application
 
 from evospec.orchestration.config import AppConfig
@@ -11,12 +14,13 @@ from evospec.services.config import ReplicaConfig
 from evospec.services.draft.deployment import DraftDeployment
 from evospec.services.target.deployment import TargetDeployment
 
-# Serve's gRPC proxy must register our public service (and standard health) on its server; the last entry registers
-# no service: it makes the proxy answer a failed target replica with UNAVAILABLE and no internals (ingress.py).
+# Serve's gRPC proxy must register our public service (and standard health) on its server. The first entry registers
+# no service: it makes the proxy answer a failed target replica with UNAVAILABLE and no internals, and hand malformed
+# requests to our front (INVALID_ARGUMENT); it must precede the services it applies to (ingress.py).
 GRPC_SERVICER_FUNCTIONS = [
+    "evospec.services.target.ingress.install_error_policy",
     "evospec_client.api.v1.generate_pb2_grpc.add_GenerateServicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
-    "evospec.services.target.ingress.install_error_policy",
 ]
 
 
@@ -29,12 +33,25 @@ def _deployment_options(cfg: AppConfig, replica: ReplicaConfig) -> dict:
                 graceful_shutdown_wait_loop_s=min(2.0, cfg.graceful_shutdown_timeout_s / 2))
 
 
+INTERNAL_SECRET_ENV = "EVOSPEC_INTERNAL_SECRET"
+
+
+def internal_secret(cfg: AppConfig) -> str:
+    """The secret both deployments share for the speculation stream: the config's, else $EVOSPEC_INTERNAL_SECRET,
+    else a fresh random one for this build (every replica of both deployments gets the same init arguments)."""
+    return cfg.draft.internal.secret or os.environ.get(INTERNAL_SECRET_ENV) or secrets.token_urlsafe(32)
+
+
 def build_app(cfg: AppConfig) -> Application:
     """Draft and Target deployments; each gets only its own config (as a JSON-able dict: Serve ships it). Target
-    replicas look for as many draft replicas as the draft's config asks for."""
+    replicas look for as many draft replicas as the draft's config asks for, and authenticate with the draft's
+    secret."""
+    secret = internal_secret(cfg)
+    internal = cfg.draft.internal.model_copy(update={"secret": secret})
+    draft_cfg = cfg.draft.model_copy(update={"internal": internal})
     draft = DraftDeployment.options(**_deployment_options(cfg, cfg.draft.replica)).bind(
-        cfg.draft.model_dump(mode="json"))
-    link = cfg.target.draft_link.model_copy(update={"replicas": cfg.draft.replica.num_replicas})
+        draft_cfg.model_dump(mode="json"))
+    link = cfg.target.draft_link.model_copy(update={"replicas": cfg.draft.replica.num_replicas, "secret": secret})
     target = cfg.target.model_copy(update={"draft_link": link})
     return TargetDeployment.options(**_deployment_options(cfg, cfg.target.replica)).bind(
         draft, target.model_dump(mode="json"))

@@ -36,7 +36,8 @@ class DraftLinkConfig(BaseModel):
     or health probe. refresh_s: how often the replicas are rediscovered through Serve (at once after a failure). retry_s / max_retry_s: a failed replica is
     probed again after retry_s, doubling up to max_retry_s; it takes sessions again once a probe answers SERVING.
     replicas: how many draft replicas to look for (the app builder sets it from draft.replica.num_replicas).
-    startup_wait_s: how long a starting target replica waits for them to answer (it serves target-only meanwhile)."""
+    startup_wait_s: how long a starting target replica waits for them to answer (it serves target-only meanwhile).
+    secret: sent with every call to the draft replicas (their InternalStreamConfig.secret)."""
     model_config = ConfigDict(frozen=True, extra="forbid")
     step_timeout_s: float = Field(1.0, gt=0)
     prefill_token_s: float = Field(0.005, ge=0)
@@ -47,6 +48,36 @@ class DraftLinkConfig(BaseModel):
     max_retry_s: float = Field(8.0, gt=0)
     replicas: int = Field(1, ge=1)
     startup_wait_s: float = Field(60.0, ge=0)
+    secret: str | None = Field(None, repr=False)  # the draft's InternalStreamConfig.secret (set by the app builder)
+
+
+class InternalStreamConfig(BaseModel):
+    """The draft replica's speculation stream server (docs/security.md). secret: the application's shared secret;
+    every call (Health included) must carry `authorization: Bearer <secret>`, else UNAUTHENTICATED. The app builder
+    sets it (from EVOSPEC_INTERNAL_SECRET, or a fresh random one per deployment) on both deployments; None = no
+    authentication (tests on loopback only: the Draft deployment refuses to start without one). max_streams:
+    concurrent calls the server accepts (one per target replica, plus probes); more get RESOURCE_EXHAUSTED.
+    max_sessions_per_stream: sessions one caller may hold open. idle_timeout_s: a stream that sends nothing this long
+    is closed and its sessions freed."""
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    secret: str | None = Field(None, repr=False, min_length=16)
+    max_streams: int = Field(16, ge=1)
+    max_sessions_per_stream: int = Field(256, ge=1)
+    idle_timeout_s: float = Field(300.0, gt=0)
+
+
+class PublicApiConfig(BaseModel):
+    """The public evospec.v1 API of the Target deployment (docs/security.md).
+
+    Bearer tokens: the comma-separated tokens in the environment variable `auth_tokens_env`, plus `auth_tokens`
+    (prefer the variable: config files travel). With any token set, Generate, GenerateOnce and Info need the metadata
+    `authorization: Bearer <token>` (UNAUTHENTICATED otherwise); Health stays open for load balancers.
+    max_prompt_bytes: None = derived from the context, max_model_len x the longest token in bytes: a prompt longer than
+    that cannot fit in the context, so it is refused before it is tokenized."""
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    auth_tokens: tuple[str, ...] = Field((), repr=False)
+    auth_tokens_env: str = "EVOSPEC_API_TOKENS"
+    max_prompt_bytes: int | None = Field(None, ge=1)
 
 
 class DraftServiceConfig(BaseModel):
@@ -57,6 +88,8 @@ class DraftServiceConfig(BaseModel):
     cooc: str | None = None  # None = the committed PubMedQA co-occurrence index
     internal_host: str | None = None  # address the speculation stream server binds and advertises; None = node IP
     adapt: AdaptConfig = AdaptConfig()  # online adaptation of this deployment's draft (off by default)
+    internal: InternalStreamConfig = InternalStreamConfig()  # authentication and limits of the speculation stream
+    policy_cache_mb: float = Field(512.0, gt=0)  # vocabulary policies (head rows per method and sizes), LRU-evicted
 
 
 class TargetServiceConfig(BaseModel):
@@ -69,3 +102,4 @@ class TargetServiceConfig(BaseModel):
     scheduler: SchedulerConfig = SchedulerConfig()  # continuous batching: KV arena, running/waiting limits, chunking
     internal_timeout_s: float = Field(600.0, gt=0)  # deadline of a per-generation draft stream (per-request loop)
     draft_link: DraftLinkConfig = DraftLinkConfig()  # finding, timing out and reconnecting draft replicas
+    public: PublicApiConfig = PublicApiConfig()  # authentication and size limits of the public API

@@ -7,10 +7,12 @@ from evospec_client.errors import (
                            InvalidArgument,
                            NotFound,
                            ResourceExhausted,
+                           Unauthenticated,
                            Unavailable,
 )
 from evospec_client.sdk import AsyncEvoSpecClient, Completion, Delta, EvoSpecClient, build_request
 
 __all__ = ["AsyncEvoSpecClient", "Cancelled", "Completion", "DeadlineExceeded", "Delta", "EvoSpecClient",
-           "EvoSpecClientError", "InternalError", "InvalidArgument", "NotFound", "ResourceExhausted", "Unavailable",
+           "EvoSpecClientError", "InternalError", "InvalidArgument", "NotFound", "ResourceExhausted", "Unauthenticated",
+           "Unavailable",
            "build_request"]

@@ -42,8 +42,13 @@ class InternalError(EvoSpecClientError):
     code = grpc.StatusCode.INTERNAL
 
 
+class Unauthenticated(EvoSpecClientError):
+    """The service requires a bearer token: pass `token=` (or set EVOSPEC_API_TOKEN)."""
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
 _BY_CODE = {cls.code: cls for cls in (InvalidArgument, ResourceExhausted, Unavailable, DeadlineExceeded, Cancelled,
-                                      NotFound, InternalError)}
+                                      NotFound, InternalError, Unauthenticated)}
 
 
 def from_rpc_error(err: grpc.RpcError) -> EvoSpecClientError:

@@ -14,6 +14,7 @@ that started is never silently replayed.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -73,6 +74,15 @@ def build_request(prompt: str | None = None, messages: list[dict] | None = None,
     return req
 
 
+TOKEN_ENV = "EVOSPEC_API_TOKEN"
+
+
+def call_metadata(app_name: str, token: str | None = None) -> tuple[tuple[str, str], ...]:
+    """Serve's routing key, plus the bearer token (`token`, else $EVOSPEC_API_TOKEN) when there is one."""
+    token = token or os.environ.get(TOKEN_ENV)
+    return (("application", app_name),) + ((("authorization", f"Bearer {token}"),) if token else ())
+
+
 def _delta(msg: pb.GenerateResponse) -> Delta:
     stats = MessageToDict(msg.stats, preserving_proto_field_name=True,
                           always_print_fields_with_no_presence=True) if msg.HasField("stats") else {}
@@ -113,9 +123,10 @@ def _collect(deltas) -> Completion:
 
 class EvoSpecClient:
     def __init__(self, address: str, timeout: float = 120.0, app_name: str = "evospec", retries: int = 3,
-                 backoff_s: float = 0.5):
+                 backoff_s: float = 0.5, token: str | None = None):
+        """token: the service's bearer token when it requires one (default: $EVOSPEC_API_TOKEN)."""
         self.address, self.timeout, self.retries, self.backoff_s = address, timeout, retries, backoff_s
-        self.metadata = (("application", app_name),)
+        self.metadata = call_metadata(app_name, token)
         self._channel = grpc.insecure_channel(address)
         self._stub = pb_grpc.GenerateStub(self._channel)
 
@@ -191,9 +202,9 @@ class AsyncEvoSpecClient:
     """asyncio twin of EvoSpecClient: same constructor and call arguments, same retry rule, `async for` streaming."""
 
     def __init__(self, address: str, timeout: float = 120.0, app_name: str = "evospec", retries: int = 3,
-                 backoff_s: float = 0.5):
+                 backoff_s: float = 0.5, token: str | None = None):
         self.address, self.timeout, self.retries, self.backoff_s = address, timeout, retries, backoff_s
-        self.metadata = (("application", app_name),)
+        self.metadata = call_metadata(app_name, token)
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = pb_grpc.GenerateStub(self._channel)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 
@@ -31,15 +32,19 @@ class ActiveLayout:
 
 
 class VocabPolicies:
-    """Builds each (method, sizes) policy once and caches it: gathering head rows is done once per server."""
+    """Builds each (method, sizes) policy once and caches it: gathering head rows is done once per server. Requests
+    choose the sizes, so the cache is bounded: least recently used policies are dropped beyond `max_cache_bytes`
+    (sessions that use a dropped policy keep it until they end)."""
 
     def __init__(self, head_weight: torch.Tensor | None, static_ids: torch.Tensor | None,
-                 cooc: CoocIndex | None = None, evospec: EvoSpecSettings = EvoSpecSettings()):
+                 cooc: CoocIndex | None = None, evospec: EvoSpecSettings = EvoSpecSettings(),
+                 max_cache_bytes: int = 512 << 20):
         self.head_weight = head_weight
         self.static_ids = static_ids  # ranked by frequency, most frequent first
         self.cooc = cooc
         self.evospec = evospec  # server-wide EvoSpec settings; requests choose sizes and retrieval sources
-        self._cache: dict[tuple, VocabPolicy] = {}
+        self.max_cache_bytes = max_cache_bytes
+        self._cache: OrderedDict[tuple, tuple[VocabPolicy, int]] = OrderedDict()  # key -> (policy, bytes)
         self._index: EmbeddingIndex | None = None  # built on first use, shared by every EvoSpec policy
         self._worker: Executor | None = None
         self._lock = threading.Lock()
@@ -68,9 +73,26 @@ class VocabPolicies:
     def get(self, spec: SpecParams) -> VocabPolicy:
         key = (spec.method, spec.vocab.static_size, spec.vocab.dynamic_size, spec.vocab.retrieval)
         with self._lock:  # requests validate (and so build) from several threads
-            if key not in self._cache:
-                self._cache[key] = self._build(spec)
-            return self._cache[key]
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key][0]
+            policy = self._build(spec)
+            self._cache[key] = (policy, self._policy_bytes(spec))
+            while len(self._cache) > 1 and self.cache_bytes() > self.max_cache_bytes:
+                self._cache.popitem(last=False)
+            return policy
+
+    def cache_bytes(self) -> int:
+        return sum(size for _, size in self._cache.values())
+
+    def _policy_bytes(self, spec: SpecParams) -> int:
+        """What a policy holds: its gathered static head rows (none for `sd`, which scores the head itself) and,
+        for EvoSpec, per-vocabulary-id tables (a bool mask and a Python list: ~9 bytes per id)."""
+        if self.head_weight is None:
+            return 0
+        vocab, hidden = self.head_weight.shape
+        rows = 0 if spec.method == "sd" else min(spec.vocab.static_size, vocab)
+        return rows * hidden * self.head_weight.element_size() + (9 * vocab if spec.method == "evospec" else 0)
 
     def with_evospec(self, settings: EvoSpecSettings) -> "VocabPolicies":
         """The same vocabularies with other server-wide EvoSpec settings, sharing the index and the worker."""

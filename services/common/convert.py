@@ -56,10 +56,14 @@ def slot_change_to_proto(change: SlotChange) -> spec_pb.SlotChange:
     return spec_pb.SlotChange(slot=change.slot, token_id=change.token_id, source=change.source)
 
 
-def tree_from_proto(msg: spec_pb.DraftToTarget, active_ids: torch.Tensor | None) -> DraftTree:
-    probs = {row.node: torch.tensor(row.probs, dtype=torch.float32) for row in msg.draft_probs}
+def tree_from_proto(msg: spec_pb.DraftToTarget, active_ids: torch.Tensor | None,
+                    device: torch.device | str = "cpu") -> DraftTree:
+    """The tree as the target's verification expects it, like an in-process draft's: token ids and parents on the
+    CPU, the draft distributions and A's ids on the target's `device` (the boundary where wire data meets it)."""
+    probs = {row.node: torch.tensor(row.probs, dtype=torch.float32, device=device) for row in msg.draft_probs}
     return DraftTree(torch.tensor(list(msg.token_ids), dtype=torch.long),
-                     torch.tensor(list(msg.parents), dtype=torch.long), probs, active_ids if probs else None)
+                     torch.tensor(list(msg.parents), dtype=torch.long), probs,
+                     active_ids.to(device) if probs else None)
 
 
 def outcome_to_proto(result: VerifyResult, candidates: dict[int, float],

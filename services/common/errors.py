@@ -1,11 +1,19 @@
-"""One mapping from our exceptions to gRPC status codes, for plain grpc servers and for Serve deployments."""
+"""One mapping from our exceptions to gRPC status codes, for plain grpc servers and for Serve deployments.
+
+Client mistakes carry their message (the field and what to send instead); anything else is INTERNAL with only a
+request id, and its details go to the server log: a status never leaks internals (paths, types, tracebacks)."""
 from __future__ import annotations
+
+import logging
 
 import grpc
 
-from evospec.errors import InvalidRequestError, OverloadedError
+from evospec.errors import InvalidRequestError, OverloadedError, UnauthenticatedError
+
+log = logging.getLogger(__name__)
 
 STATUS_OF = {InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
+             UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
              OverloadedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
              TimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED}
 
@@ -20,7 +28,20 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def set_status(context, exc: BaseException) -> None:
-    """Set code and details on a grpc (or Serve gRPC) context before re-raising."""
-    context.set_code(status_for(exc))
-    context.set_details(f"{type(exc).__name__}: {exc}")
+def public_details(exc: BaseException, request_id: str = "") -> str:
+    """What a caller may read about `exc`: our own errors' messages; for anything else a request id to quote."""
+    if status_for(exc) == grpc.StatusCode.INTERNAL:
+        return f"internal error (request {request_id or 'unknown'}); see the server log"
+    if isinstance(exc, InvalidRequestError | UnauthenticatedError | OverloadedError | TimeoutError):
+        return str(exc)
+    return f"{exc}"  # a status passed through from an internal call (its message was made public there)
+
+
+def set_status(context, exc: BaseException, request_id: str = "") -> None:
+    """Set code and details on a grpc (or Serve gRPC) context before re-raising; unexpected errors are logged here
+    with their request id."""
+    code = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("request %s failed", request_id or "unknown", exc_info=exc)
+    context.set_code(code)
+    context.set_details(public_details(exc, request_id))

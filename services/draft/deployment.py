@@ -24,9 +24,12 @@ log = logging.getLogger("ray.serve")
 class DraftDeployment:
     def __init__(self, config: dict):
         cfg = DraftServiceConfig(**config)
+        if cfg.internal.secret is None:
+            raise ValueError("draft.internal.secret is not set: build the application with "
+                             "evospec.orchestration.app (it sets one) or set it in the config")
         self.server = DraftServer.from_config(cfg)
         host = cfg.internal_host or ray.util.get_node_ip_address()
-        self.grpc_server, port = start_draft_server(self.server, host)
+        self.grpc_server, port = start_draft_server(self.server, host, cfg.internal)
         self._address = f"{host}:{port}"
         log.info("draft %s serving the speculation stream on %s", self.server.model_name, self._address)
         self._stop = threading.Event()

@@ -79,7 +79,8 @@ class DraftServer:
         apply_torch_threads(cfg.model.torch_threads)
         model, folder = load_model(cfg.model, "draft")
         static_ids, sha = load_static_ids(cfg.static_vocab)
-        policies = VocabPolicies(model.head_weight, static_ids, load_cooc(cfg.cooc))
+        policies = VocabPolicies(model.head_weight, static_ids, load_cooc(cfg.cooc),
+                                 max_cache_bytes=int(cfg.policy_cache_mb * 2**20))
         learner = build_learner(model, cfg.adapt)  # before the head rows are gathered: LoRA wraps the layers only
         server = cls(DraftEngine(model, learner), policies, sha, str(Path(folder)))
         server.warm_up()
@@ -197,6 +198,7 @@ class DraftServer:
     def _create(self, session_id: str, request: DraftRequest) -> _Session:
         if request.spec.method == "ar":
             raise InvalidRequestError("start.vocab.method", "'ar' drafts nothing; it never opens a draft session")
+        self._check_sizes(request)
         draft = self.engine.start(request.prompt_ids, request.sampling, request.spec.tree,
                                   self.policies.get(request.spec), request.max_len, request.seed)
         session = _Session(draft)
@@ -205,6 +207,20 @@ class DraftServer:
                 raise InvalidRequestError("start.session_id", f"{session_id!r} is already open")
             self._sessions[session_id] = session
         return session
+
+    def _check_sizes(self, request: DraftRequest) -> None:
+        """Caps on what a caller's sizes make this replica allocate: the session's KV cache is bounded by the model's
+        context, and every prompt id must be a row of the embedding."""
+        cfg = self.engine.model.cfg
+        prompt = request.prompt_ids
+        most = cfg.max_position_embeddings + request.spec.tree.max_nodes + 2  # a full context plus one tree
+        if not len(prompt) < request.max_len <= most:
+            raise InvalidRequestError("start.max_len", f"is {request.max_len}; it must exceed the prompt "
+                                                       f"({len(prompt)} tokens) and be at most the draft's context "
+                                                       f"plus one tree ({most})")
+        if max(prompt) >= cfg.vocab_size:
+            raise InvalidRequestError("start.prompt_token_ids", f"ids must be below the vocabulary size "
+                                                                f"{cfg.vocab_size}")
 
     def _advance(self, session: _Session, result: VerifyResult, candidates: dict[int, float],
                  teacher: TeacherSignal | None = None) -> list[SlotChange]:

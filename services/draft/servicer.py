@@ -9,13 +9,16 @@ and delegates to `DraftServer`.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from evospec.errors import InvalidRequestError
+from evospec.errors import InvalidRequestError, OverloadedError
+from evospec.services.common.auth import BearerAuthInterceptor
 from evospec.services.common.convert import (
     outcome_from_proto,
     session_op_from_proto,
@@ -24,7 +27,7 @@ from evospec.services.common.convert import (
     tree_to_proto,
 )
 from evospec.services.common.errors import set_status, status_for
-from evospec.services.config import INTERNAL_CHANNEL_OPTIONS
+from evospec.services.config import INTERNAL_CHANNEL_OPTIONS, InternalStreamConfig
 from evospec.services.draft.server import DraftReply, DraftServer, Op, SessionStep
 from evospec.services.protocol.v1 import speculation_pb2 as spec_pb
 from evospec.services.protocol.v1 import speculation_pb2_grpc as spec_grpc
@@ -39,14 +42,54 @@ def reply_to_proto(reply: DraftReply) -> spec_pb.DraftToTarget:
     return msg
 
 
+class IdleWatch:
+    """Closes streams that have sent nothing for `timeout_s` (a caller that went away without closing, or holds a
+    stream open to tie up the server), so their sessions are freed."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._last: dict[object, float] = {}  # context -> monotonic time of its last message
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, name="draft-idle-watch", daemon=True).start()
+
+    def touch(self, context) -> None:
+        with self._lock:
+            self._last[context] = time.monotonic()
+
+    def forget(self, context) -> None:
+        with self._lock:
+            self._last.pop(context, None)
+
+    def idle(self, context) -> bool:
+        with self._lock:
+            last = self._last.get(context)
+        return last is not None and time.monotonic() - last > self.timeout_s
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(1.0, self.timeout_s / 4)):
+            now = time.monotonic()
+            with self._lock:
+                stale = [c for c, last in self._last.items() if now - last > self.timeout_s]
+            for context in stale:
+                log.warning("closing a speculation stream idle for over %.0f s", self.timeout_s)
+                context.cancel()
+
+
 class DraftServicer(spec_grpc.DraftServicer):
-    def __init__(self, server: DraftServer):
+    def __init__(self, server: DraftServer, limits: InternalStreamConfig = InternalStreamConfig()):
         self.server = server
+        self.limits = limits
+        self.idle = IdleWatch(limits.idle_timeout_s)
 
     def Speculate(self, request_iterator, context):
         # A server-side key: two callers reusing a session id can never share (or close) each other's session.
         key = uuid.uuid4().hex
         session_id = None
+        self.idle.touch(context)
         try:
             first = next(request_iterator, None)
             if first is None or first.WhichOneof("kind") != "start":
@@ -56,30 +99,37 @@ class DraftServicer(spec_grpc.DraftServicer):
             first_tree.static_vocab_sha = self.server.static_vocab_sha
             yield first_tree
             for msg in request_iterator:
+                self.idle.touch(context)
                 if msg.WhichOneof("kind") != "outcome":
                     raise InvalidRequestError("outcome", "every message after StartSession must be an Outcome")
                 if msg.outcome.finished:
                     break
                 yield reply_to_proto(self.server.step(key, *outcome_from_proto(msg.outcome)))
         except Exception as exc:  # one status per failure, never a crash of the server
-            if not isinstance(exc, InvalidRequestError):
-                log.exception("draft stream %s failed", session_id)
-            set_status(context, exc)
+            if not self.idle.idle(context):
+                set_status(context, exc, session_id or "")
         finally:
+            self.idle.forget(context)
             self.server.close(key)
 
     def SpeculateBatch(self, request_iterator, context):
         # Session ids are the caller's keys, namespaced per stream: callers cannot reach each other's sessions.
         prefix = uuid.uuid4().hex + "/"
         opened: set[str] = set()
+        self.idle.touch(context)
         try:
             for msg in request_iterator:
+                self.idle.touch(context)
                 ops, bad = [], {}
                 for op in msg.ops:
                     sid = prefix + op.session_id
                     try:
                         _, kind, request, result, candidates, teacher = session_op_from_proto(op)
-                    except InvalidRequestError as exc:  # ends this session only; reported in the reply
+                        if kind == "start" and sid not in opened and \
+                                len(opened) >= self.limits.max_sessions_per_stream:
+                            raise OverloadedError(f"this stream holds {len(opened)} sessions (max_sessions_per_"
+                                                  f"stream={self.limits.max_sessions_per_stream})")
+                    except (InvalidRequestError, OverloadedError) as exc:  # ends this session only; in the reply
                         ops.append(Op(sid, "close"))
                         bad[sid] = exc
                         continue
@@ -97,9 +147,10 @@ class DraftServicer(spec_grpc.DraftServicer):
                                         static_vocab_sha=self.server.static_vocab_sha,
                                         teacher_top_k=self.server.teacher_top_k)
         except Exception as exc:  # noqa: BLE001 - one status per failure, never a crash of the server
-            log.exception("draft batch stream failed")
-            set_status(context, exc)
+            if not self.idle.idle(context):
+                set_status(context, exc, prefix)
         finally:
+            self.idle.forget(context)
             for sid in opened:
                 self.server.close(sid)
 
@@ -116,15 +167,27 @@ def session_to_proto(session_id: str, step: SessionStep) -> spec_pb.SessionDraft
     return spec_pb.SessionDraft(session_id=session_id, reply=reply, has_tree=step.tree is not None)
 
 
-def start_draft_server(server: DraftServer, host: str, max_workers: int = 64) -> tuple[grpc.Server, int]:
-    """Plain gRPC server for the internal stream, with standard health (what target replicas probe before they send
-    sessions to this replica again); port 0 = any free port. Returns (server, port)."""
-    grpc_server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="draft-stream"),
-                              options=INTERNAL_CHANNEL_OPTIONS)
-    spec_grpc.add_DraftServicer_to_server(DraftServicer(server), grpc_server)
+def start_draft_server(server: DraftServer, host: str, limits: InternalStreamConfig = InternalStreamConfig()
+                       ) -> tuple[grpc.Server, int]:
+    """Plain gRPC server for the internal stream on `host` only, with standard health (what target replicas probe
+    before they send sessions to this replica again); every call needs `limits.secret` when set. Port 0 = any free
+    port. Returns (server, port); `grpc_server.stop` also stops the idle watch."""
+    interceptors = [BearerAuthInterceptor(limits.secret)] if limits.secret else []
+    # One thread per call in flight; calls beyond max_streams get RESOURCE_EXHAUSTED at once instead of queueing.
+    grpc_server = grpc.server(ThreadPoolExecutor(max_workers=limits.max_streams + 1, thread_name_prefix="draft-stream"),
+                              options=INTERNAL_CHANNEL_OPTIONS, interceptors=interceptors,
+                              maximum_concurrent_rpcs=limits.max_streams)
+    servicer = DraftServicer(server, limits)
+    spec_grpc.add_DraftServicer_to_server(servicer, grpc_server)
     health_servicer = health.HealthServicer()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
     port = grpc_server.add_insecure_port(f"{host}:0")
     grpc_server.start()
+    stop = grpc_server.stop
+
+    def stop_all(grace):
+        servicer.idle.close()
+        return stop(grace)
+    grpc_server.stop = stop_all
     return grpc_server, port

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from evospec.services.common.auth import authenticated_channel
 from evospec.services.config import INTERNAL_CHANNEL_OPTIONS, DraftLinkConfig
 from evospec.services.protocol.v1 import speculation_pb2_grpc as spec_grpc
 
@@ -167,7 +168,7 @@ class DraftReplicas:
                 if address in self._replicas:
                     self._replicas[address].last_seen = now
                 else:
-                    channel = grpc.insecure_channel(address, options=INTERNAL_CHANNEL_OPTIONS)
+                    channel = authenticated_channel(address, self.link.secret, INTERNAL_CHANNEL_OPTIONS)
                     timing = StepTiming(token_s=self.link.prefill_token_s, floor_s=self.link.step_timeout_s,
                                         cap_s=self.link.max_step_timeout_s)
                     self._replicas[address] = DraftReplica(address, channel, spec_grpc.DraftStub(channel), timing)

@@ -2,12 +2,15 @@
 typed request and its events back to protos, and maps errors to status codes; nothing else."""
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from evospec.config import SamplingParams, SpecParams, TreeParams, VocabParams, validated
 from evospec.errors import InvalidRequestError
+from evospec.services.common.auth import authorization_of
 from evospec.services.common.errors import set_status
+from evospec.services.target.ingress import UndecodableRequest
 from evospec.services.target.server import ChatMessage, FinishedEvent, GenerateRequest, Prompt, ServerInfo, TargetServer
 from evospec_client.api.v1 import generate_pb2 as pb
 
@@ -69,15 +72,31 @@ def info_to_proto(info: ServerInfo) -> pb.InfoResponse:
     return pb.InfoResponse(**asdict(info))
 
 
+def checked_message(request, expected: type):
+    """The parsed request, or INVALID_ARGUMENT for what the proxy could not parse (ingress.UndecodableRequest)."""
+    if isinstance(request, UndecodableRequest):
+        raise InvalidRequestError("request", request.reason)
+    if not isinstance(request, expected):
+        raise InvalidRequestError("request", f"must be an {expected.DESCRIPTOR.full_name}")
+    return request
+
+
 class GrpcFront:
     """The RPCs of evospec.v1.Generate over a TargetServer (the Serve deployment forwards its methods here)."""
 
     def __init__(self, server: TargetServer):
         self.server = server
 
+    def _authorize(self, grpc_context) -> None:
+        metadata = grpc_context.invocation_metadata() if grpc_context is not None else ()
+        self.server.authorize(authorization_of(metadata))
+
     async def _responses(self, request: pb.GenerateRequest, grpc_context) -> AsyncIterator[pb.GenerateResponse]:
+        request_id = getattr(request, "request_id", "") or uuid.uuid4().hex
         try:
-            typed = request_from_proto(request, self.server.default_spec)
+            self._authorize(grpc_context)
+            typed = replace(request_from_proto(checked_message(request, pb.GenerateRequest), self.server.default_spec),
+                            request_id=request_id)
             async for event in self.server.generate(typed):
                 if isinstance(event, FinishedEvent):
                     yield pb.GenerateResponse(request_id=event.request_id, finish_reason=event.finish_reason,
@@ -86,7 +105,7 @@ class GrpcFront:
                     yield pb.GenerateResponse(request_id=event.request_id, token_ids=event.token_ids, text=event.text)
         except Exception as exc:
             if grpc_context is not None:
-                set_status(grpc_context, exc)
+                set_status(grpc_context, exc, request_id)
             raise
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
@@ -103,4 +122,11 @@ class GrpcFront:
                                    stats=last.stats)
 
     async def Info(self, request: pb.InfoRequest, grpc_context=None) -> pb.InfoResponse:
-        return info_to_proto(await self.server.info())
+        try:
+            self._authorize(grpc_context)
+            checked_message(request, pb.InfoRequest)
+            return info_to_proto(await self.server.info())
+        except Exception as exc:
+            if grpc_context is not None:
+                set_status(grpc_context, exc)
+            raise

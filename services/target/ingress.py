@@ -1,4 +1,4 @@
-"""What Serve's gRPC proxy tells clients when a target replica fails.
+"""What Serve's gRPC proxy accepts from clients and tells them when a target replica fails.
 
 Serve 2.60's proxy turns a replica that died or became unreachable mid-request into INTERNAL, with the actor's id,
 pid, name and namespace in the message. We want UNAVAILABLE "target restarting, retry" (the SDK retries it before
@@ -11,6 +11,12 @@ at start-up, and it wraps the proxy's status mapping there:
   (request <id>)"; the details stay in the proxy's log;
 - every status our fronts set themselves (InvalidArgument, ResourceExhausted, ...) passes unchanged.
 
+It also makes the proxy hand undecodable requests to our front instead of failing them itself (grpc answers a
+request that does not parse, e.g. a string field with invalid UTF-8, with UNKNOWN): the evospec.v1 methods get a
+deserializer that returns an `UndecodableRequest` (also for requests over `max_request_bytes()`, unparsed), which the
+gRPC front answers with INVALID_ARGUMENT. For that, `install_error_policy` must come first among the servicer
+functions.
+
 If a Ray upgrade renames what it wraps, the policy logs a warning and leaves Serve's behaviour alone
 (tests/e2e/test_chaos.py fails then).
 """
@@ -18,12 +24,40 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+from dataclasses import dataclass
 
 import grpc
 
 log = logging.getLogger("ray.serve")
 
 TARGET_RESTARTING = "target restarting, retry"
+PUBLIC_SERVICE = "evospec.v1.Generate"
+MAX_REQUEST_BYTES_ENV = "EVOSPEC_MAX_REQUEST_BYTES"
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # above any prompt that fits a 32k context (32768 x 256 bytes per token, 8 MiB)
+
+
+def max_request_bytes() -> int:
+    """The largest public request the proxy parses; the Target then applies the context-derived prompt limit."""
+    return int(os.environ.get(MAX_REQUEST_BYTES_ENV, DEFAULT_MAX_REQUEST_BYTES))
+
+
+@dataclass(frozen=True)
+class UndecodableRequest:
+    """Stands in for a request the proxy could not (or would not) parse; the front answers INVALID_ARGUMENT."""
+    reason: str
+
+
+def tolerant(deserialize, limit: int):
+    """A request deserializer that never raises: too large or malformed input becomes an UndecodableRequest."""
+    def parse(data: bytes):
+        if len(data) > limit:
+            return UndecodableRequest(f"is {len(data)} bytes; this service accepts at most {limit}")
+        try:
+            return deserialize(data)
+        except Exception:  # noqa: BLE001 - protobuf's DecodeError and friends
+            return UndecodableRequest("is not a valid evospec.v1 message (string fields must be UTF-8)")
+    return parse
 
 
 def public_status(exc: BaseException, status, request_id: str):
@@ -42,7 +76,9 @@ def public_status(exc: BaseException, status, request_id: str):
 
 def install_error_policy(servicer, server) -> None:
     """A Serve gRPC servicer function (called as `f(servicer, server)` in the proxy process) that registers no
-    service: it wraps the proxy's exception -> status mapping with `public_status`."""
+    service: it wraps the proxy's exception -> status mapping with `public_status`, and the deserializers of the
+    evospec.v1 methods registered after it with `tolerant`."""
+    _install_tolerant_parsing(server)
     try:
         from ray.serve._private import proxy
         original = proxy.get_grpc_response_status
@@ -56,3 +92,20 @@ def install_error_policy(servicer, server) -> None:
         return public_status(exc, original(exc, request_timeout_s, request_id), request_id)
     policy.evospec_policy = True
     proxy.get_grpc_response_status = policy
+
+
+def _install_tolerant_parsing(server) -> None:
+    override = getattr(server, "_override_method_handler", None)
+    if override is None or getattr(override, "evospec_policy", False):
+        if override is None:
+            log.warning("evospec: this Ray version's gRPC proxy cannot take tolerant request parsing")
+        return
+    limit = max_request_bytes()
+
+    def tolerant_override(service_method: str, handler):
+        handler = override(service_method, handler)
+        if service_method.startswith(f"/{PUBLIC_SERVICE}/") and handler.request_deserializer is not None:
+            handler = handler._replace(request_deserializer=tolerant(handler.request_deserializer, limit))
+        return handler
+    tolerant_override.evospec_policy = True
+    server._override_method_handler = tolerant_override

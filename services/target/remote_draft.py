@@ -96,8 +96,9 @@ class RemoteDrafter:
     never waits: Start on creation and each Outcome in `observe`; `propose` reads the draft's reply."""
 
     def __init__(self, stub: spec_grpc.DraftStub, session_id: str, request: DraftRequest, mirror: ActiveSetMirror,
-                 wants_candidates: bool, static_vocab_sha: str, timeout_s: float):
+                 wants_candidates: bool, static_vocab_sha: str, timeout_s: float, device: torch.device | str = "cpu"):
         self.mirror = mirror
+        self.device = device
         self.wants_candidates = wants_candidates
         self.static_vocab_sha = static_vocab_sha
         self._feedback_seconds = 0.0  # target-side share of the buffer update (misses, candidates)
@@ -127,7 +128,7 @@ class RemoteDrafter:
     def propose(self) -> DraftTree:
         """The tree for the current state (waits for the draft's reply to Start or to the last outcome)."""
         msg = self._receive()
-        return tree_from_proto(msg, self.mirror.row_ids.clone() if msg.draft_probs else None)
+        return tree_from_proto(msg, self.mirror.row_ids.clone() if msg.draft_probs else None, self.device)
 
     def observe(self, verified: VerifiedStep, stats: SpecStats) -> None:
         """Send the step's outcome; the draft commits it and drafts the next tree meanwhile."""
@@ -215,8 +216,9 @@ class RemoteMuxDrafter:
     read back with the next step's trees."""
 
     def __init__(self, replicas: DraftReplicas, layout_of: Callable[[SpecParams], ActiveLayout], vocab_size: int,
-                 static_vocab_sha: str):
-        self.replicas, self.layout_of = replicas, layout_of
+                 static_vocab_sha: str, device: torch.device | str = "cpu"):
+        """device: the target model's; trees arrive there (services/common/convert.tree_from_proto)."""
+        self.replicas, self.layout_of, self.device = replicas, layout_of, device
         self.vocab_size, self.static_vocab_sha = vocab_size, static_vocab_sha
         self.mirrors: dict[str, ActiveSetMirror] = {}
         self._wants_candidates: dict[str, bool] = {}
@@ -365,7 +367,8 @@ class RemoteMuxDrafter:
                 mirror = self.mirrors[key]
                 try:
                     out[key] = checked_tree(tree_from_proto(
-                        session.reply, mirror.row_ids.clone() if session.reply.draft_probs else None), requests[key])
+                        session.reply, mirror.row_ids.clone() if session.reply.draft_probs else None, self.device),
+                        requests[key])
                 except ValueError as exc:  # a malformed tree fails its session, never the batch
                     out[key] = DraftStreamError(f"draft: {exc}", "INTERNAL")
 
@@ -400,11 +403,12 @@ def checked_tree(tree: DraftTree, params: TreeParams) -> DraftTree:
 
 
 def open_remote_drafter(replicas: DraftReplicas, session_id: str, request: DraftRequest, layout: ActiveLayout,
-                        vocab_size: int, static_vocab_sha: str, timeout_s: float) -> RemoteDrafter:
+                        vocab_size: int, static_vocab_sha: str, timeout_s: float,
+                        device: torch.device | str = "cpu") -> RemoteDrafter:
     """A per-generation stream (the per-request loop) on the first healthy draft replica."""
     healthy = replicas.healthy()
     if not healthy:
         raise DraftStreamError("draft: no draft replica is reachable", "UNAVAILABLE")
     mirror = ActiveSetMirror(layout.static_ids, layout.dynamic_size, vocab_size)
     return RemoteDrafter(healthy[0].stub, session_id, request, mirror, layout.target_feedback, static_vocab_sha,
-                         timeout_s)
+                         timeout_s, device)

@@ -9,6 +9,7 @@ InvalidRequestError (the field to fix) and OverloadedError; nothing here imports
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,10 +24,11 @@ from evospec.engine.scheduler import Failed, Finished, Scheduler, TokensOut
 from evospec.engine.stats import SpecStats
 from evospec.errors import InvalidRequestError
 from evospec.loading import apply_torch_threads, load_model, load_static_ids, stop_token_ids
-from evospec.services.config import TargetServiceConfig
+from evospec.services.common.bearer import check_bearer
+from evospec.services.config import PublicApiConfig, TargetServiceConfig
 from evospec.services.target.draft_link import DraftReplicas
 from evospec.services.target.remote_draft import RemoteMuxDrafter
-from evospec.tokenizer import chat_prompt_ids, load_tokenizer
+from evospec.tokenizer import chat_prompt_ids, load_tokenizer, max_token_bytes
 
 CHAT_ROLES = ("system", "user", "assistant")
 
@@ -86,6 +88,12 @@ class ServerInfo:
     device: str
 
 
+def api_tokens(public: PublicApiConfig) -> tuple[str, ...]:
+    """The accepted bearer tokens: the config's and those in the environment variable it names (comma-separated)."""
+    from_env = [t.strip() for t in os.environ.get(public.auth_tokens_env, "").split(",") if t.strip()]
+    return tuple(dict.fromkeys([*public.auth_tokens, *from_env]))
+
+
 class MetricsSink(Protocol):
     def record(self, stats: SpecStats, method: str, ttft_s: float, e2e_s: float, finish_reason: str,
                dynamic_size: int = 0) -> None: ...
@@ -109,6 +117,8 @@ class TargetServer:
     static_vocab_sha: str = ""
     model_name: str = ""
     metrics: MetricsSink | None = None
+    api_tokens: tuple[str, ...] = ()  # bearer tokens of the public API (none = no authentication)
+    max_prompt_bytes: int | None = None  # text over this cannot fit the context: refused before tokenization
     active: dict[str, float] = field(default_factory=dict)  # request key -> start time
 
     @classmethod
@@ -119,10 +129,18 @@ class TargetServer:
         static_ids, sha = load_static_ids(cfg.static_vocab)
         decoder = SpeculativeDecoder(model, None, static_ids=static_ids, max_model_len=cfg.max_model_len,
                                      eos_ids=stop_token_ids(folder))
-        drafter = RemoteMuxDrafter(drafts.pool, decoder.policies.layout, decoder.target.vocab_size, sha)
+        drafter = RemoteMuxDrafter(drafts.pool, decoder.policies.layout, decoder.target.vocab_size, sha,
+                                   decoder.target.device)
         scheduler = Scheduler(decoder, cfg.scheduler, drafter).start()
-        return cls(decoder, load_tokenizer(str(folder)), drafts, scheduler, cfg.default_spec, sha, str(Path(folder)),
-                   metrics)
+        tokenizer = load_tokenizer(str(folder))
+        max_prompt_bytes = cfg.public.max_prompt_bytes or decoder.max_model_len * max_token_bytes(tokenizer)
+        return cls(decoder, tokenizer, drafts, scheduler, cfg.default_spec, sha, str(Path(folder)), metrics,
+                   api_tokens(cfg.public), max_prompt_bytes)
+
+    def authorize(self, authorization: str | None) -> None:
+        """UnauthenticatedError unless the API is open or `authorization` is 'Bearer <one of the tokens>'."""
+        if self.api_tokens:
+            check_bearer(authorization, self.api_tokens)
 
     def close(self) -> None:
         """Stop the scheduler (what still runs fails with 'shutting down') and its draft stream."""
@@ -142,11 +160,29 @@ class TargetServer:
                           static_vocab_size=0 if static_ids is None else int(static_ids.shape[0]),
                           static_vocab_sha=self.static_vocab_sha, device=str(self.decoder.target.device))
 
+    def check_prompt_size(self, prompt: Prompt) -> None:
+        """Refuse, without tokenizing, text that cannot fit the context (a prompt of many megabytes would hold a
+        tokenizer thread for seconds), and token-id lists longer than the context."""
+        limit, context = self.max_prompt_bytes, self.decoder.max_model_len
+        if prompt.token_ids is not None and len(prompt.token_ids) >= context:
+            raise InvalidRequestError("prompt_token_ids", f"has {len(prompt.token_ids)} ids; the context holds "
+                                                          f"{context} tokens")
+        if limit is None:
+            return
+        texts = [prompt.text] if prompt.text is not None else [m.content for m in prompt.messages or ()]
+        field_name = "prompt" if prompt.text is not None else "chat.messages.content"
+        chars = sum(len(t) for t in texts)  # a lower bound on the bytes: no encoding of a huge text
+        size = chars if chars > limit else sum(len(t.encode("utf-8")) for t in texts)
+        if size > limit:
+            raise InvalidRequestError(field_name, f"is {size} bytes; at most {limit} fit the {context}-token "
+                                                  f"context: shorten it")
+
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """Token ids of the prompt; InvalidRequestError names the field to fix."""
         given = [x is not None for x in (prompt.text, prompt.token_ids, prompt.messages)]
         if sum(given) != 1:
             raise InvalidRequestError("input", "set exactly one of prompt, prompt_token_ids or chat")
+        self.check_prompt_size(prompt)
         if prompt.text is not None:
             if not prompt.text:
                 raise InvalidRequestError("prompt", "is empty")
@@ -171,7 +207,8 @@ class TargetServer:
         self.active[key] = start
         handle = None
         try:
-            prompt_ids = self.prompt_ids(request.prompt)
+            # Tokenizing (and the chat template) runs on a worker thread: never on the loop that streams the others.
+            prompt_ids = await asyncio.to_thread(self.prompt_ids, request.prompt)
             loop = asyncio.get_running_loop()
             events: asyncio.Queue = asyncio.Queue()  # bounded by max_tokens: every event but the last has tokens
             handle = self.scheduler.submit(prompt_ids, request.sampling, request.spec,

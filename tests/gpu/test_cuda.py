@@ -33,3 +33,65 @@ def test_hf_folder_loads_on_cuda(tmp_path):
     transformers.Qwen3ForCausalLM(cfg).save_pretrained(tmp_path)
     model = load_qwen3(tmp_path, device="cuda")
     assert model.embed_tokens.weight.is_cuda and model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_decoupled_path_with_a_cuda_target():
+    """The service's decoupled path (draft behind the internal gRPC stream, on the CPU; target on CUDA, bf16):
+    trees, draft distributions and A's ids cross the boundary as CPU data and must land on the target's device.
+    Greedy output equals the target alone for every method; sampled requests of every method complete."""
+    import asyncio
+
+    from evospec.config import SchedulerConfig
+    from evospec.engine.draft import DraftEngine
+    from evospec.engine.scheduler import Scheduler
+    from evospec.services.config import DraftLinkConfig
+    from evospec.services.draft.server import DraftServer
+    from evospec.services.draft.servicer import start_draft_server
+    from evospec.services.target.draft_link import DraftReplicas
+    from evospec.services.target.remote_draft import RemoteMuxDrafter
+    from evospec.services.target.server import DraftSide, FinishedEvent, GenerateRequest, Prompt, TargetServer
+    from evospec.vocab.registry import VocabPolicies
+
+    target, draft = random_pair(vocab=4096, seed=0, eos=-1, hidden=128)
+    target = target.to("cuda", torch.bfloat16)
+    static = torch.arange(2048)
+    draft_server = DraftServer(DraftEngine(draft), VocabPolicies(draft.head_weight, static), "sha")
+    grpc_server, port = start_draft_server(draft_server, "127.0.0.1")
+    pool = DraftReplicas(lambda: [f"127.0.0.1:{port}"], DraftLinkConfig(step_timeout_s=10))
+    assert pool.wait_healthy(1, timeout_s=10)
+    decoder = SpeculativeDecoder(target, None, static_ids=static)
+    drafter = RemoteMuxDrafter(pool, decoder.policies.layout, 4096, "sha", decoder.target.device)
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, adaptive=False), drafter).start()
+
+    class Ids:
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    async def nothing():
+        return 0
+    server = TargetServer(decoder, Ids(), DraftSide(pool, nothing, nothing), scheduler)
+
+    async def run(sampling, spec):
+        tokens, last = [], None
+        async for event in server.generate(GenerateRequest(Prompt(token_ids=[1, 2, 3]), sampling, spec)):
+            if isinstance(event, FinishedEvent):
+                last = event
+            else:
+                tokens += event.token_ids
+        return tokens, last.stats
+
+    try:
+        greedy = SamplingParams(max_tokens=48, ignore_eos=True)
+        vocab = {"static_size": 2048, "dynamic_size": 64}
+        ref, _ = asyncio.run(run(greedy, SpecParams(method="ar")))
+        for method in ("sd", "frspec", "evospec"):
+            spec = SpecParams(method=method, tree=TreeParams(shape="tree", budget=8), vocab=vocab)
+            tokens, stats = asyncio.run(run(greedy, spec))
+            assert tokens == ref and stats["fallback_steps"] == 0, method
+            sampled = SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.8, top_p=0.9, seed=1)
+            tokens, stats = asyncio.run(run(sampled, spec))
+            assert len(tokens) == 48 and stats["fallback_steps"] == 0 and stats["steps"] < 48, method
+    finally:
+        server.close()
+        pool.close()
+        grpc_server.stop(grace=None)

@@ -53,7 +53,7 @@ def test_unknown_method():
     ([], 4, "prompt"),
     ([1] * 64, 4, "prompt"),
     ([1] * 80, 4, "prompt"),
-    ([1] * 60, 10, "max_tokens"),
+    ([1] * 60, 10, "sampling.max_tokens"),
     ([1, 64], 4, "prompt_token_ids"),
     ([1, -2], 4, "prompt_token_ids"),
 ])
