@@ -248,7 +248,8 @@ def cmd_vocab(args) -> int:
 
 BENCH_SUITES = ("v1", "grid", "misses", "adapt", "random", "decoupled", "real", "concurrency")
 PASSTHROUGH = {"loadtest": "evospec.loadtest.run", "loadtest-sweep": "evospec.loadtest.sweep",
-               "train-tiny": "evospec.tiny_pair.train", "chaos": "evospec.orchestration.chaos"}
+               "train-tiny": "evospec.tiny_pair.train", "chaos": "evospec.orchestration.chaos",
+               "fuzz": "evospec.orchestration.fuzz", "soak": "evospec.orchestration.soak"}
 
 
 def passthrough_module(argv: list[str]) -> str | None:
@@ -333,6 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("train-tiny", help="retrain the embedded tiny Qwen3 pair (~30 CPU-minutes)")
     sub.add_parser("chaos", help="freeze and kill draft and target replicas under load on a local two-node cluster; "
                                  "print what streams and clients saw and how fast speculation came back")
+    sub.add_parser("fuzz", help="random valid and invalid requests against a service: every invalid one must be "
+                                "INVALID_ARGUMENT naming its field, every valid one must complete")
+    sub.add_parser("soak", help="steady load for a while: RSS of each service process over time and greedy "
+                                "mismatches")
     return ap
 
 

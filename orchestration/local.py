@@ -124,3 +124,15 @@ def wait_running(app_name: str, timeout_s: float) -> None:
 def local_service(cfg: AppConfig, num_cpus: int = 4) -> Iterator[str]:
     with local_ray(num_cpus), serve_app(cfg) as address:
         yield address
+
+
+@contextlib.contextmanager
+def service_to_drive(address: str | None, config: str) -> Iterator[tuple[str, str]]:
+    """(address, app name) for tools that drive a service (fuzz, soak): the running one at `address`, else a local
+    one started from `config` on free ports and stopped afterwards."""
+    cfg = AppConfig.from_yaml(config)
+    if address is not None:
+        yield address, cfg.app_name
+        return
+    with local_service(cfg.model_copy(update={"grpc_port": 0, "http_port": 0})) as local_address:
+        yield local_address, cfg.app_name

@@ -75,6 +75,9 @@ def outcome_to_proto(result: VerifyResult, candidates: dict[int, float],
 
 
 def outcome_from_proto(o: spec_pb.Outcome) -> tuple[VerifyResult, dict[int, float], TeacherSignal | None]:
+    if len(o.accepted_nodes) != len(o.accepted_tokens):
+        raise InvalidRequestError("outcome.accepted_nodes", f"{len(o.accepted_nodes)} nodes but "
+                                                            f"{len(o.accepted_tokens)} accepted tokens")
     result = VerifyResult(list(o.accepted_nodes), list(o.accepted_tokens), o.bonus_token)
     teacher = teacher_from_proto(o.teacher) if o.HasField("teacher") else None
     if teacher is not None and teacher.positions != len(result.committed_tokens):

@@ -176,6 +176,14 @@ class DraftServer:
         live = {sid: (depth, prefill) for sid, (depth, prefill) in work.items()
                 if out.get(sid, SessionStep()).error is None}
         sessions = {sid: self._get_or_error(sid, out) for sid in live}
+        for sid, session in list(sessions.items()):
+            try:
+                if session is not None:
+                    self._check_work(session.draft, *live[sid])
+            except InvalidRequestError as exc:  # this session only: the step's forwards must not fail for all
+                self.close(sid)
+                out.setdefault(sid, SessionStep()).error = exc
+                sessions[sid] = None
         requests = [(s.draft, clip_depth(s.draft.tree_params, live[sid][0]))
                     for sid, s in sessions.items() if s is not None and live[sid][0] > 0]
         prefills = [(s.draft, live[sid][1]) for sid, s in sessions.items() if s is not None and live[sid][1] > 0]
@@ -222,9 +230,30 @@ class DraftServer:
             raise InvalidRequestError("start.prompt_token_ids", f"ids must be below the vocabulary size "
                                                                 f"{cfg.vocab_size}")
 
+    @staticmethod
+    def _check_work(draft: DraftSession, depth: int, prefill: int) -> None:
+        """Work the caller asks for must fit what the session holds: prefill only uncached prompt tokens, and a tree
+        only while the session's cache has room for it (both would otherwise fail the step's packed forward)."""
+        uncached = len(draft.tokens) - 1 - draft.cache.length
+        if prefill and not prefill <= uncached:
+            raise InvalidRequestError("work.prefill_tokens", f"is {prefill}; the session has {uncached} uncached "
+                                                             f"prompt tokens")
+        params = clip_depth(draft.tree_params, depth) if depth else None
+        if params is not None and \
+                DraftEngine.cache_tokens(len(draft.tokens), params) - 1 + params.max_nodes > draft.cache.max_len:
+            raise InvalidRequestError("work.depth", f"no room for a tree: the session holds {len(draft.tokens)} of "
+                                                    f"its {draft.cache.max_len} cache slots")
+
     def _advance(self, session: _Session, result: VerifyResult, candidates: dict[int, float],
                  teacher: TeacherSignal | None = None) -> list[SlotChange]:
         start = time.perf_counter()
+        committed = result.committed_tokens
+        if max(committed) >= self.engine.model.cfg.vocab_size:
+            raise InvalidRequestError("outcome.accepted_tokens", f"ids must be below the vocabulary size "
+                                                                 f"{self.engine.model.cfg.vocab_size}")
+        if len(session.draft.tokens) + len(committed) >= session.draft.cache.max_len:
+            raise InvalidRequestError("outcome", f"commits past the session's cache ({len(session.draft.tokens)} + "
+                                                 f"{len(committed)} tokens of {session.draft.cache.max_len})")
         if teacher is not None:
             vocab = self.engine.model.cfg.vocab_size
             if teacher.token_ids.numel() and not 0 <= int(teacher.token_ids.min()) <= int(teacher.token_ids.max()) \

@@ -61,11 +61,6 @@ class IdleWatch:
         with self._lock:
             self._last.pop(context, None)
 
-    def idle(self, context) -> bool:
-        with self._lock:
-            last = self._last.get(context)
-        return last is not None and time.monotonic() - last > self.timeout_s
-
     def close(self) -> None:
         self._stop.set()
 
@@ -105,9 +100,10 @@ class DraftServicer(spec_grpc.DraftServicer):
                 if msg.outcome.finished:
                     break
                 yield reply_to_proto(self.server.step(key, *outcome_from_proto(msg.outcome)))
+        except grpc.RpcError:
+            pass  # the caller cancelled or went away (or the idle watch closed the stream): nobody to tell
         except Exception as exc:  # one status per failure, never a crash of the server
-            if not self.idle.idle(context):
-                set_status(context, exc, session_id or "")
+            set_status(context, exc, session_id or "")
         finally:
             self.idle.forget(context)
             self.server.close(key)
@@ -146,9 +142,10 @@ class DraftServicer(spec_grpc.DraftServicer):
                                                   for sid, step in steps.items()],
                                         static_vocab_sha=self.server.static_vocab_sha,
                                         teacher_top_k=self.server.teacher_top_k)
+        except grpc.RpcError:
+            pass  # the caller cancelled or went away (or the idle watch closed the stream): nobody to tell
         except Exception as exc:  # noqa: BLE001 - one status per failure, never a crash of the server
-            if not self.idle.idle(context):
-                set_status(context, exc, prefix)
+            set_status(context, exc, prefix)
         finally:
             self.idle.forget(context)
             for sid in opened:

@@ -66,6 +66,13 @@ class TargetDeployment:
     async def Info(self, request, grpc_context=None):
         return await self.grpc.Info(request, grpc_context)
 
+    async def __call__(self, request):
+        """Serve's HTTP proxy routes here (route_prefix /); there is no HTTP API yet (issue 18): a clear 404, not a
+        500 from a missing handler."""
+        from starlette.responses import JSONResponse
+        return JSONResponse({"error": {"message": "no HTTP API here yet: call the gRPC service evospec.v1.Generate",
+                                       "type": "not_found", "code": 404}}, status_code=404)
+
     async def Check(self, request, grpc_context=None):
         """grpc.health.v1.Health/Check, routed here by Serve's gRPC proxy."""
         from grpc_health.v1 import health_pb2

@@ -86,6 +86,7 @@ class ServerInfo:
     static_vocab_size: int
     static_vocab_sha: str
     device: str
+    max_prompt_bytes: int  # prompt text over this many bytes is refused before tokenization
 
 
 def api_tokens(public: PublicApiConfig) -> tuple[str, ...]:
@@ -158,7 +159,8 @@ class TargetServer:
                           target_model=self.model_name, methods=list(METHODS),
                           default_method=self.default_spec.method, max_model_len=self.decoder.max_model_len,
                           static_vocab_size=0 if static_ids is None else int(static_ids.shape[0]),
-                          static_vocab_sha=self.static_vocab_sha, device=str(self.decoder.target.device))
+                          static_vocab_sha=self.static_vocab_sha, device=str(self.decoder.target.device),
+                          max_prompt_bytes=self.max_prompt_bytes or 0)
 
     def check_prompt_size(self, prompt: Prompt) -> None:
         """Refuse, without tokenizing, text that cannot fit the context (a prompt of many megabytes would hold a

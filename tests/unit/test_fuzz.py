@@ -1,0 +1,234 @@
+"""Property-based fuzzing of both protos (hypothesis), without Ray:
+
+- the public API: the tiny pair's Target server behind the gRPC front, its draft behind the internal stream (with
+  the shared secret), fed the `evospec fuzz` catalogue: every valid request completes, every invalid one is
+  INVALID_ARGUMENT naming its field, raw bytes included (parsed as Serve's proxy does with our policy);
+- the internal stream: arbitrary TargetStep sequences into the draft's SpeculateBatch handler: the stream never
+  fails, every session error is a client error, and every session is freed when the stream ends;
+- authentication: calls without the secret are UNAUTHENTICATED and never reach the draft model."""
+import asyncio
+import queue
+import random
+import time
+
+import grpc
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from evospec.errors import UnauthenticatedError
+from evospec.orchestration.fuzz import INVALID, Case, Limits, Outcome, make_case
+from evospec.services.config import DraftLinkConfig, DraftServiceConfig, InternalStreamConfig, TargetServiceConfig
+from evospec.services.draft.server import DraftServer
+from evospec.services.draft.servicer import DraftServicer, start_draft_server
+from evospec.services.protocol.v1 import speculation_pb2 as spec_pb
+from evospec.services.protocol.v1 import speculation_pb2_grpc as spec_grpc
+from evospec.services.target.draft_link import DraftReplicas
+from evospec.services.target.grpc_api import GrpcFront
+from evospec.services.target.ingress import max_request_bytes, tolerant
+from evospec.services.target.server import DraftSide, TargetServer
+from evospec_client.api.v1 import generate_pb2 as pb
+
+SECRET = "test-secret-0123456789abcdef"
+FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                       HealthCheck.function_scoped_fixture])
+
+
+class FakeContext:
+    """What the gRPC front reads and sets on Serve's request context."""
+
+    def __init__(self, metadata=()):
+        self.metadata, self.code, self.details = tuple(metadata), None, ""
+
+    def invocation_metadata(self):
+        return self.metadata
+
+    def set_code(self, code):
+        self.code = code
+
+    def set_details(self, details):
+        self.details = details
+
+    def cancel(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def service():
+    draft_cfg = DraftServiceConfig(internal=InternalStreamConfig(secret=SECRET))
+    draft = DraftServer.from_config(draft_cfg)
+    grpc_server, port = start_draft_server(draft, "127.0.0.1", draft_cfg.internal)
+    pool = DraftReplicas(lambda: [f"127.0.0.1:{port}"], DraftLinkConfig(secret=SECRET, step_timeout_s=10))
+    assert pool.wait_healthy(1, timeout_s=30)
+
+    async def name():
+        return "tiny"
+    target = TargetServer.from_config(TargetServiceConfig(), DraftSide(pool, name, name))
+    info = asyncio.run(target.info())
+    limits = Limits(info.max_model_len, info.static_vocab_size, info.max_prompt_bytes, max_tokens=4)
+    yield GrpcFront(target), draft, port, limits
+    target.close()
+    pool.close()
+    grpc_server.stop(grace=None)
+
+
+def call(front: GrpcFront, case: Case) -> Outcome:
+    """One case through the front as Serve delivers it: raw bytes parsed by the proxy's tolerant deserializer."""
+    request = case.request
+    if isinstance(request, bytes):
+        request = tolerant(pb.GenerateRequest.FromString, max_request_bytes())(request)
+    context = FakeContext()
+    try:
+        reply = asyncio.run(asyncio.wait_for(front.GenerateOnce(request, context), timeout=60))
+    except TimeoutError:
+        return Outcome(case, "HANG", "")
+    except Exception:  # noqa: BLE001 - the front set the status before raising
+        return Outcome(case, context.code.name if context.code else "UNSET", context.details)
+    return Outcome(case, "OK", "", len(reply.token_ids), reply.finish_reason)
+
+
+@FUZZ
+@given(seed=st.integers(0, 2**32 - 1))
+def test_public_api_every_request_is_served_or_invalid_argument_naming_its_field(service, seed):
+    front, draft, _, limits = service
+    outcome = call(front, make_case(random.Random(seed), limits))
+    assert outcome.ok, (outcome.case.name, outcome.code, outcome.details)
+
+
+@pytest.mark.parametrize("name", sorted(INVALID))
+def test_every_invalid_mutation_is_refused_naming_its_field(service, name):
+    """Each catalogue entry at least once (the random cases may miss some), and nothing is left open after."""
+    front, draft, _, limits = service
+    rng = random.Random(name)
+    case = make_case(rng, limits)
+    while case.field is None or case.name != name:
+        case = make_case(rng, limits)
+    outcome = call(front, case)
+    assert outcome.ok, (outcome.code, outcome.details)
+    assert front.server.num_sessions() == 0
+
+
+@pytest.mark.parametrize("name", ["invalid_utf8", "truncated"])
+def test_undecodable_bytes_are_invalid_argument(service, name):
+    from evospec.orchestration.fuzz import RAW
+    front, _, _, limits = service
+    outcome = call(front, Case(name, RAW[name](random.Random(0), limits), "request"))
+    assert outcome.ok, (outcome.code, outcome.details)
+
+
+def test_public_bearer_tokens(service, monkeypatch):
+    front, _, _, limits = service
+    request = pb.GenerateRequest(prompt="hello", sampling=pb.SamplingParams(max_tokens=2))
+    monkeypatch.setattr(front.server, "api_tokens", ("good-token",))
+    for metadata in [(), (("authorization", "Bearer bad"),), (("authorization", "good-token"),)]:
+        context = FakeContext(metadata)
+        with pytest.raises(UnauthenticatedError):
+            asyncio.run(front.GenerateOnce(request, context))
+        assert context.code == grpc.StatusCode.UNAUTHENTICATED and "token" in context.details
+    reply = asyncio.run(front.GenerateOnce(request, FakeContext((("authorization", "Bearer good-token"),))))
+    assert len(reply.token_ids) == 2
+
+
+# ---- the internal stream ---------------------------------------------------------------------------------------
+ids = st.lists(st.integers(0, 2**32 - 1), max_size=6)
+small_ids = st.lists(st.integers(0, 200), min_size=1, max_size=20)
+starts = st.builds(
+    spec_pb.StartSession, prompt_token_ids=st.one_of(small_ids, ids),
+    sampling=st.builds(spec_pb.DraftSampling, temperature=st.sampled_from([0.0, 0.7, -1.0, float("nan"), 1e-39]),
+                       top_p=st.sampled_from([1.0, 0.9, 0.0]), top_k=st.integers(0, 10)),
+    tree=st.builds(spec_pb.DraftTreeShape, shape=st.sampled_from(["chain", "tree", "", "star"]),
+                   num_draft_tokens=st.integers(0, 70), depth=st.integers(0, 20), branching=st.integers(0, 20),
+                   budget=st.integers(0, 300)),
+    vocab=st.builds(spec_pb.DraftVocab, method=st.sampled_from(["sd", "frspec", "evospec", "ar", "x"]),
+                    static_size=st.sampled_from([0, 1, 100, 32768, 10**6]),
+                    dynamic_size=st.sampled_from([0, 8, 256, 10**6]),
+                    retrieval=st.lists(st.sampled_from(["statistical", "semantic", "target", "bogus"]), max_size=3)),
+    seed=st.integers(0, 2**64 - 1), max_len=st.sampled_from([0, 1, 30, 64, 200, 2100, 10**6, 2**32 - 1]))
+outcomes = st.builds(spec_pb.Outcome, accepted_nodes=st.lists(st.integers(0, 20), max_size=4),
+                     accepted_tokens=st.lists(st.integers(0, 2**32 - 1), max_size=4),
+                     bonus_token=st.integers(0, 2**32 - 1),
+                     buffer_candidates=st.lists(st.builds(spec_pb.BufferCandidate, token_id=st.integers(0, 2**32 - 1),
+                                                          score=st.floats(allow_nan=True)), max_size=3))
+session_ids = st.sampled_from(["a", "b", "c"])
+ops = st.one_of(st.builds(spec_pb.SessionOp, session_id=session_ids, start=starts),
+                st.builds(spec_pb.SessionOp, session_id=session_ids, outcome=outcomes),
+                st.builds(spec_pb.SessionOp, session_id=session_ids, close=st.just(True)),
+                st.builds(spec_pb.SessionOp, session_id=session_ids))  # no op set
+steps = st.builds(spec_pb.TargetStep, ops=st.lists(ops, max_size=4),
+                  work=st.lists(st.builds(spec_pb.DraftWork, session_id=session_ids, depth=st.integers(0, 20),
+                                          prefill_tokens=st.integers(0, 3000)), max_size=3))
+CLIENT_ERRORS = {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}
+
+
+@FUZZ
+@given(messages=st.lists(steps, min_size=1, max_size=6))
+def test_internal_stream_survives_any_message_sequence(service, messages):
+    _, draft, _, _ = service
+    servicer = DraftServicer(draft, InternalStreamConfig(max_sessions_per_stream=2))
+    context = FakeContext()
+    try:
+        replies = list(servicer.SpeculateBatch(iter(messages), context))
+    finally:
+        servicer.idle.close()
+    assert context.code is None, context.details  # the stream itself never fails
+    assert len(replies) == len(messages)
+    for reply in replies:
+        for session in reply.sessions:
+            assert not session.error or session.error_code in CLIENT_ERRORS, (session.error_code, session.error)
+    assert draft.num_sessions() == 0  # every exit path frees its sessions
+
+
+def test_internal_calls_without_the_secret_never_reach_the_draft(service, monkeypatch):
+    _, draft, port, _ = service
+    touched = []
+    monkeypatch.setattr(draft, "run_step", lambda *a, **k: touched.append(a))
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    start = spec_pb.SessionOp(session_id="x", start=spec_pb.StartSession(prompt_token_ids=[1, 2], max_len=64))
+    for metadata in [(), (("authorization", "Bearer wrong-secret-0123456789"),)]:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                list(spec_grpc.DraftStub(channel).SpeculateBatch(iter([spec_pb.TargetStep(ops=[start])]),
+                                                                 metadata=metadata, timeout=10))
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as err:
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), metadata=metadata,
+                                                          timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert touched == [] and draft.num_sessions() == 0
+
+
+def test_streams_beyond_the_limit_are_refused_and_idle_ones_closed():
+    """max_streams caps concurrent calls (RESOURCE_EXHAUSTED past it); a stream silent for idle_timeout_s is
+    closed and its sessions freed."""
+    from evospec.config import SamplingParams, SpecParams
+    from evospec.engine.draft import DraftEngine
+    from evospec.engine.drafter import DraftRequest
+    from evospec.services.common.convert import session_op_to_proto
+    from evospec.testing import random_pair
+    from evospec.vocab.registry import VocabPolicies
+    _, model = random_pair(vocab=96, seed=1)
+    draft = DraftServer(DraftEngine(model), VocabPolicies(model.head_weight, torch.arange(32)), "sha")
+    limits = InternalStreamConfig(max_streams=2, idle_timeout_s=1.0)
+    grpc_server, port = start_draft_server(draft, "127.0.0.1", limits)
+    start = session_op_to_proto("s", "start", DraftRequest([3, 4, 5], SamplingParams(), SpecParams(method="sd"), 64, 0))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = spec_grpc.DraftStub(channel)
+            outboxes = [queue.Queue() for _ in range(2)]  # each stream sends one step, then nothing (kept open)
+            for outbox in outboxes:
+                outbox.put(spec_pb.TargetStep(ops=[start]))
+            held = [stub.SpeculateBatch(iter(outbox.get, None), timeout=30) for outbox in outboxes]
+            first = [next(call) for call in held]
+            assert all(not s.error for reply in first for s in reply.sessions), first
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.SpeculateBatch(iter([spec_pb.TargetStep()]), timeout=10))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            deadline = time.monotonic() + 10
+            while draft.num_sessions() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert draft.num_sessions() == 0  # the idle watch closed both streams
+            for outbox in outboxes:
+                outbox.put(None)
+    finally:
+        grpc_server.stop(grace=None)
