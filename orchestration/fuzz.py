@@ -4,7 +4,7 @@ Every case is a valid base request with mutations from one catalogue (`VALID` ke
 named field), or raw bytes the proxy must not choke on. A case passes when a valid request completes (OK, at most
 max_tokens tokens, a finish reason) and an invalid one gets INVALID_ARGUMENT whose message names the field. Anything
 else is a failure: another status (INTERNAL, UNKNOWN...), a crash, or a hang (the per-call deadline). The same
-catalogue drives the property-based test in CI (tests/unit/test_fuzz.py, with hypothesis).
+catalogue drives the property-based test in CI (tests/unit/test_hardening.py, with hypothesis).
 
     evospec fuzz --cases 1000                              # starts a local service (cpu-tiny.yaml)
     evospec fuzz --address 127.0.0.1:9000 --cases 1000     # a running service

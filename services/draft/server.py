@@ -17,7 +17,7 @@ from evospec.config import SamplingParams, SpecParams
 from evospec.engine.budget import clip_depth
 from evospec.engine.draft import DraftEngine, DraftSession
 from evospec.engine.drafter import DraftRequest
-from evospec.errors import InvalidRequestError
+from evospec.errors import InvalidRequestError, OverloadedError
 from evospec.loading import apply_torch_threads, load_cooc, load_model, load_static_ids
 from evospec.services.config import DraftServiceConfig
 from evospec.tree import DraftTree
@@ -61,16 +61,20 @@ class Op:
 @dataclass
 class _Session:
     draft: DraftSession
+    kv_tokens: int  # its cache's slots, counted against the server's max_kv_tokens
     update_seconds: float = 0.0
 
 
 class DraftServer:
     def __init__(self, engine: DraftEngine, policies: VocabPolicies, static_vocab_sha: str = "",
-                 model_name: str = ""):
+                 model_name: str = "", max_kv_tokens: int = 131072):
+        """max_kv_tokens: KV slots all open sessions may hold together (each session's cache is its own)."""
         self.engine = engine
         self.policies = policies
         self.static_vocab_sha = static_vocab_sha
         self.model_name = model_name
+        self.max_kv_tokens = max_kv_tokens
+        self._kv_tokens = 0  # held by open sessions
         self._sessions: dict[str, _Session] = {}
         self._lock = threading.Lock()  # sessions are opened and closed from the stream server's threads
 
@@ -82,7 +86,7 @@ class DraftServer:
         policies = VocabPolicies(model.head_weight, static_ids, load_cooc(cfg.cooc),
                                  max_cache_bytes=int(cfg.policy_cache_mb * 2**20))
         learner = build_learner(model, cfg.adapt)  # before the head rows are gathered: LoRA wraps the layers only
-        server = cls(DraftEngine(model, learner), policies, sha, str(Path(folder)))
+        server = cls(DraftEngine(model, learner), policies, sha, str(Path(folder)), cfg.max_kv_tokens)
         server.warm_up()
         if learner is not None:
             learner.start()
@@ -207,12 +211,23 @@ class DraftServer:
         if request.spec.method == "ar":
             raise InvalidRequestError("start.vocab.method", "'ar' drafts nothing; it never opens a draft session")
         self._check_sizes(request)
-        draft = self.engine.start(request.prompt_ids, request.sampling, request.spec.tree,
-                                  self.policies.get(request.spec), request.max_len, request.seed)
-        session = _Session(draft)
+        tokens = DraftEngine.cache_tokens(request.max_len, request.spec.tree)
         with self._lock:
             if session_id in self._sessions:
                 raise InvalidRequestError("start.session_id", f"{session_id!r} is already open")
+            if self._kv_tokens + tokens > self.max_kv_tokens:
+                raise OverloadedError(f"draft KV memory is full ({self._kv_tokens} of {self.max_kv_tokens} tokens "
+                                      f"held; this session needs {tokens}): retry later")
+            self._kv_tokens += tokens
+        try:
+            draft = self.engine.start(request.prompt_ids, request.sampling, request.spec.tree,
+                                      self.policies.get(request.spec), request.max_len, request.seed)
+        except BaseException:
+            with self._lock:
+                self._kv_tokens -= tokens
+            raise
+        session = _Session(draft, tokens)
+        with self._lock:
             self._sessions[session_id] = session
         return session
 
@@ -278,6 +293,8 @@ class DraftServer:
     def close(self, session_id: str) -> None:
         with self._lock:
             session = self._sessions.pop(session_id, None)
+            if session is not None:
+                self._kv_tokens -= session.kv_tokens
         if session is not None:
             self.engine.end(session.draft)
 

@@ -232,3 +232,33 @@ def test_streams_beyond_the_limit_are_refused_and_idle_ones_closed():
                 outbox.put(None)
     finally:
         grpc_server.stop(grace=None)
+
+
+def test_draft_kv_memory_and_policy_cache_are_bounded():
+    """Sizes a caller chooses cannot grow the draft past its configured bounds: sessions' KV slots are counted
+    against max_kv_tokens (RESOURCE_EXHAUSTED past it, freed on close), max_len is capped by the context, and
+    vocabulary policies for many distinct static sizes stay within the cache's byte bound."""
+    from evospec.config import SamplingParams, SpecParams
+    from evospec.engine.draft import DraftEngine
+    from evospec.engine.drafter import DraftRequest
+    from evospec.errors import InvalidRequestError, OverloadedError
+    from evospec.testing import random_pair
+    from evospec.vocab.registry import VocabPolicies
+    _, model = random_pair(vocab=96, seed=1)
+    policies = VocabPolicies(model.head_weight, torch.arange(64), max_cache_bytes=40 * 32 * 4)  # ~40 head rows
+    draft = DraftServer(DraftEngine(model), policies, "sha", max_kv_tokens=300)
+    request = DraftRequest([3, 4, 5], SamplingParams(), SpecParams(method="sd"), 100, 0)
+    draft.open("a", request)
+    draft.open("b", request)
+    with pytest.raises(OverloadedError):
+        draft.open("c", request)
+    draft.close("a")
+    draft.open("c", request)  # the closed session's slots came back
+    with pytest.raises(InvalidRequestError, match="max_len"):
+        draft.open("d", DraftRequest([3], SamplingParams(), SpecParams(method="sd"), 10**6, 0))
+    for size in range(1, 40):  # each fits the bound alone (the newest policy is always kept)
+        policies.get(SpecParams(method="frspec", vocab={"static_size": size, "dynamic_size": 0}))
+    assert policies.cache_bytes() <= policies.max_cache_bytes
+    for key in ("b", "c"):
+        draft.close(key)
+    assert draft.num_sessions() == 0 and draft._kv_tokens == 0
