@@ -123,11 +123,14 @@ def _collect(deltas) -> Completion:
 
 class EvoSpecClient:
     def __init__(self, address: str, timeout: float = 120.0, app_name: str = "evospec", retries: int = 3,
-                 backoff_s: float = 0.5, token: str | None = None):
-        """token: the service's bearer token when it requires one (default: $EVOSPEC_API_TOKEN)."""
+                 backoff_s: float = 0.5, token: str | None = None, tls_root_cert: bytes | None = None,
+                 tls: bool = False):
+        """token: the service's bearer token when it requires one (default: $EVOSPEC_API_TOKEN). tls: connect with
+        TLS (its TLS port), verifying against `tls_root_cert` (PEM bytes; None = the system's roots)."""
         self.address, self.timeout, self.retries, self.backoff_s = address, timeout, retries, backoff_s
         self.metadata = call_metadata(app_name, token)
-        self._channel = grpc.insecure_channel(address)
+        self._channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_root_cert)) \
+            if tls or tls_root_cert else grpc.insecure_channel(address)
         self._stub = pb_grpc.GenerateStub(self._channel)
 
     def __enter__(self) -> "EvoSpecClient":
@@ -202,10 +205,12 @@ class AsyncEvoSpecClient:
     """asyncio twin of EvoSpecClient: same constructor and call arguments, same retry rule, `async for` streaming."""
 
     def __init__(self, address: str, timeout: float = 120.0, app_name: str = "evospec", retries: int = 3,
-                 backoff_s: float = 0.5, token: str | None = None):
+                 backoff_s: float = 0.5, token: str | None = None, tls_root_cert: bytes | None = None,
+                 tls: bool = False):
         self.address, self.timeout, self.retries, self.backoff_s = address, timeout, retries, backoff_s
         self.metadata = call_metadata(app_name, token)
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(tls_root_cert)) \
+            if tls or tls_root_cert else grpc.aio.insecure_channel(address)
         self._stub = pb_grpc.GenerateStub(self._channel)
 
     async def __aenter__(self) -> "AsyncEvoSpecClient":

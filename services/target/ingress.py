@@ -11,6 +11,9 @@ at start-up, and it wraps the proxy's status mapping there:
   (request <id>)"; the details stay in the proxy's log;
 - every status our fronts set themselves (InvalidArgument, ResourceExhausted, ...) passes unchanged.
 
+Optional TLS: with EVOSPEC_TLS_CERT and EVOSPEC_TLS_KEY (PEM file paths) in the proxy's environment, it adds a TLS
+port (EVOSPEC_TLS_PORT, default 9443) to the proxy's server next to Serve's plaintext one (Serve has no TLS option).
+
 It also makes the proxy hand undecodable requests to our front instead of failing them itself (grpc answers a
 request that does not parse, e.g. a string field with invalid UTF-8, with UNKNOWN): the evospec.v1 methods get a
 deserializer that returns an `UndecodableRequest` (also for requests over `max_request_bytes()`, unparsed), which the
@@ -34,6 +37,8 @@ log = logging.getLogger("ray.serve")
 TARGET_RESTARTING = "target restarting, retry"
 PUBLIC_SERVICE = "evospec.v1.Generate"
 MAX_REQUEST_BYTES_ENV = "EVOSPEC_MAX_REQUEST_BYTES"
+TLS_CERT_ENV, TLS_KEY_ENV, TLS_PORT_ENV = "EVOSPEC_TLS_CERT", "EVOSPEC_TLS_KEY", "EVOSPEC_TLS_PORT"
+DEFAULT_TLS_PORT = 9443
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # above any prompt that fits a 32k context (32768 x 256 bytes per token, 8 MiB)
 
 
@@ -79,6 +84,7 @@ def install_error_policy(servicer, server) -> None:
     service: it wraps the proxy's exception -> status mapping with `public_status`, and the deserializers of the
     evospec.v1 methods registered after it with `tolerant`."""
     _install_tolerant_parsing(server)
+    _install_tls(server)
     try:
         from ray.serve._private import proxy
         original = proxy.get_grpc_response_status
@@ -109,3 +115,15 @@ def _install_tolerant_parsing(server) -> None:
         return handler
     tolerant_override.evospec_policy = True
     server._override_method_handler = tolerant_override
+
+
+def _install_tls(server) -> None:
+    """A TLS port on the proxy's server when a certificate and key are configured (before the server starts)."""
+    cert, key = os.environ.get(TLS_CERT_ENV), os.environ.get(TLS_KEY_ENV)
+    if server is None or not (cert and key):
+        return
+    port = int(os.environ.get(TLS_PORT_ENV, DEFAULT_TLS_PORT))
+    with open(key, "rb") as k, open(cert, "rb") as c:
+        credentials = grpc.ssl_server_credentials([(k.read(), c.read())])
+    server.add_secure_port(f"[::]:{port}", credentials)
+    log.info("evospec: TLS on port %d", port)

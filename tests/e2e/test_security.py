@@ -1,6 +1,6 @@
 """The exposed surface of the running service (docs/security.md): reflection lists only our services, the HTTP port
-answers a clear 404, malformed bytes through Serve's real proxy are INVALID_ARGUMENT, and the draft's internal
-stream refuses callers without the application's secret."""
+answers a clear 404, malformed bytes through Serve's real proxy are INVALID_ARGUMENT, the draft's internal stream
+refuses callers without the application's secret, and the optional TLS port serves the same API."""
 import json
 import random
 import urllib.error
@@ -57,3 +57,13 @@ def test_the_internal_stream_refuses_callers_without_the_secret(service, client)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert ray.is_initialized()
     assert client.generate(prompt="Hello", max_tokens=4, method="evospec").stats["fallback_steps"] == 0
+
+
+def test_tls_port_serves_the_same_api(service, tls_files):
+    from pathlib import Path
+
+    from evospec_client import EvoSpecClient
+    root = Path(tls_files["cert"]).read_bytes()
+    with EvoSpecClient(f"127.0.0.1:{tls_files['port']}", tls_root_cert=root, timeout=60) as tls_client:
+        out = tls_client.generate(prompt="Hello", max_tokens=4, method="ar")
+    assert len(out.token_ids) == 4
