@@ -141,11 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--interval", type=float, default=10.0, help="seconds between memory samples")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=16, help="distinct medical questions (fewer = more repeats to "
+                                                            "compare on a slow model)")
     ap.add_argument("--token", default=None, help="bearer token (default: $EVOSPEC_API_TOKEN)")
     ap.add_argument("--out", default=None, help="write the summary (with every sample) as JSON here")
     args = ap.parse_args(argv)
     with service_to_drive(args.address, args.config) as (address, app_name):
-        summary = run_soak(address, args.duration, args.concurrency, args.interval, args.max_tokens,
+        summary = run_soak(address, args.duration, args.concurrency, args.interval, args.max_tokens, args.prompts,
                            token=args.token, app_name=app_name)
     print(json.dumps({k: v for k, v in summary.items() if k != "samples"}, indent=2))
     if args.out:

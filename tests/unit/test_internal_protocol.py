@@ -471,3 +471,28 @@ def test_a_malformed_teacher_signal_fails_its_session_only():
     assert isinstance(steps["a"].error, InvalidRequestError) and "teacher.k" in str(steps["a"].error)
     assert steps["b"].error is None and steps["b"].tree is not None
     server.shutdown()
+
+
+def test_a_stream_closed_for_idleness_is_reopened_without_a_fallback():
+    """The draft closes streams idle past `idle_timeout_s` (InternalStreamConfig); a target whose stream was closed
+    while it had no sessions opens a fresh one for its next session: no step runs target-only."""
+    from evospec.services.config import InternalStreamConfig
+    target, draft = random_pair(vocab=VOCAB, seed=9, eos=1)
+    draft_server = DraftServer(DraftEngine(draft), VocabPolicies(draft.head_weight, STATIC), "sha")
+    grpc_server, port = start_draft_server(draft_server, "127.0.0.1", InternalStreamConfig(idle_timeout_s=0.5))
+    pool = pool_for(f"127.0.0.1:{port}")
+    server = make_server(SpeculativeDecoder(target, None, static_ids=STATIC), pool)
+    request = GenerateRequest(Prompt(token_ids=[4, 50, 51, 7]), SamplingParams(max_tokens=16, ignore_eos=True),
+                              SpecParams(method="sd"))
+    try:
+        first, stats = asyncio.run(collect(server, request))
+        assert stats.stats["steps"] < 16  # the draft's tokens are accepted
+        time.sleep(2.0)  # the draft closes the idle stream
+        links = list(server.scheduler.drafter._links.values())
+        assert links and all(link.stream.dead for link in links)
+        second, again = asyncio.run(collect(server, request))
+        assert second == first and again.stats["fallback_steps"] == 0 and again.stats["steps"] < 16
+    finally:
+        server.close()
+        pool.close()
+        grpc_server.stop(grace=None)
