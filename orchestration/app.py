@@ -39,7 +39,10 @@ INTERNAL_SECRET_ENV = "EVOSPEC_INTERNAL_SECRET"
 def internal_secret(cfg: AppConfig) -> str:
     """The secret both deployments share for the speculation stream: the config's, else $EVOSPEC_INTERNAL_SECRET,
     else a fresh random one for this build (every replica of both deployments gets the same init arguments)."""
-    return cfg.draft.internal.secret or os.environ.get(INTERNAL_SECRET_ENV) or secrets.token_urlsafe(32)
+    secret = cfg.draft.internal.secret or os.environ.get(INTERNAL_SECRET_ENV) or secrets.token_urlsafe(32)
+    if len(secret) < 16:
+        raise ValueError(f"${INTERNAL_SECRET_ENV} must be at least 16 characters")
+    return secret
 
 
 def build_app(cfg: AppConfig) -> Application:

@@ -181,6 +181,8 @@ INVALID: dict[str, tuple[Mutation, str]] = {
     "ids_out_of_vocab": (_ids(lambda r, lim: [1, 2**32 - 1]), "prompt_token_ids"),
     "chat_empty": (_chat(), "chat.messages"),
     "chat_bad_role": (_chat(("robot", "hi")), "role"),
+    "chat_too_many_messages": (lambda req, r, lim: _chat(*[("user", "")] * lim.max_model_len)(req, r, lim),
+                               "chat.messages"),
 }
 
 

@@ -92,7 +92,7 @@ class DraftServiceConfig(BaseModel):
     policy_cache_mb: float = Field(512.0, gt=0)  # vocabulary policies (head rows per method and sizes), LRU-evicted
     # KV slots all open draft sessions may hold (each has its own cache): about 4 target replicas' default arenas.
     # A session beyond it is refused (RESOURCE_EXHAUSTED): its generation runs target-only and retries later.
-    max_kv_tokens: int = Field(131072, ge=64)
+    max_kv_tokens: int = Field(131072, ge=1024)
 
 
 class TargetServiceConfig(BaseModel):

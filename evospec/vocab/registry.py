@@ -96,7 +96,7 @@ class VocabPolicies:
 
     def with_evospec(self, settings: EvoSpecSettings) -> "VocabPolicies":
         """The same vocabularies with other server-wide EvoSpec settings, sharing the index and the worker."""
-        other = VocabPolicies(self.head_weight, self.static_ids, self.cooc, settings)
+        other = VocabPolicies(self.head_weight, self.static_ids, self.cooc, settings, self.max_cache_bytes)
         other._index, other._worker = self._index, self._worker
         return other
 

@@ -16,5 +16,5 @@ def check_bearer(authorization: str | None, tokens: Iterable[str]) -> None:
     ok = False
     for accepted in tokens:  # no early exit: the time taken does not tell which token nearly matched
         ok |= hmac.compare_digest(token.encode(), accepted.encode())
-    if scheme.lower() != "bearer" or not ok:
+    if scheme.lower() != "bearer" or not token or not ok:
         raise UnauthenticatedError("the bearer token is not valid")

@@ -32,9 +32,7 @@ def public_details(exc: BaseException, request_id: str = "") -> str:
     """What a caller may read about `exc`: our own errors' messages; for anything else a request id to quote."""
     if status_for(exc) == grpc.StatusCode.INTERNAL:
         return f"internal error (request {request_id or 'unknown'}); see the server log"
-    if isinstance(exc, InvalidRequestError | UnauthenticatedError | OverloadedError | TimeoutError):
-        return str(exc)
-    return f"{exc}"  # a status passed through from an internal call (its message was made public there)
+    return str(exc)  # our own errors, or a status passed through from an internal call (made public there)
 
 
 def set_status(context, exc: BaseException, request_id: str = "") -> None:

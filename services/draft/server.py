@@ -6,6 +6,7 @@ applies every session's ops and drafts all their trees with one packed forward p
 """
 from __future__ import annotations
 
+import math
 import tempfile
 import threading
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from evospec.adapt import Learner, TeacherSignal, build_learner
 from evospec.config import SamplingParams, SpecParams
-from evospec.engine.budget import clip_depth
+from evospec.engine.budget import clip_depth, tree_depth
 from evospec.engine.draft import DraftEngine, DraftSession
 from evospec.engine.drafter import DraftRequest
 from evospec.errors import InvalidRequestError, OverloadedError
@@ -228,7 +229,14 @@ class DraftServer:
             raise
         session = _Session(draft, tokens)
         with self._lock:
-            self._sessions[session_id] = session
+            duplicate = session_id in self._sessions
+            if not duplicate:
+                self._sessions[session_id] = session
+            else:
+                self._kv_tokens -= tokens
+        if duplicate:  # opened by another thread meanwhile
+            self.engine.end(draft)
+            raise InvalidRequestError("start.session_id", f"{session_id!r} is already open")
         return session
 
     def _check_sizes(self, request: DraftRequest) -> None:
@@ -266,6 +274,12 @@ class DraftServer:
         if max(committed) >= self.engine.model.cfg.vocab_size:
             raise InvalidRequestError("outcome.accepted_tokens", f"ids must be below the vocabulary size "
                                                                  f"{self.engine.model.cfg.vocab_size}")
+        bad = [t for t, score in candidates.items() if not (0 <= t < self.engine.model.cfg.vocab_size
+                                                             and math.isfinite(score))]
+        if bad:
+            raise InvalidRequestError("outcome.buffer_candidates", f"ids must be below the vocabulary size "
+                                                                   f"{self.engine.model.cfg.vocab_size} with finite "
+                                                                   f"scores; got id {bad[0]}")
         if len(session.draft.tokens) + len(committed) >= session.draft.cache.max_len:
             raise InvalidRequestError("outcome", f"commits past the session's cache ({len(session.draft.tokens)} + "
                                                  f"{len(committed)} tokens of {session.draft.cache.max_len})")
@@ -306,5 +320,6 @@ class DraftServer:
         return session
 
     def _reply(self, session: _Session, changes: list[SlotChange]) -> DraftReply:
+        self._check_work(session.draft, tree_depth(session.draft.tree_params), 0)
         tree = self.engine.propose(session.draft)
         return DraftReply(tree, changes, session.draft.head_seconds, session.update_seconds)

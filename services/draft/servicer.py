@@ -26,7 +26,7 @@ from evospec.services.common.convert import (
     start_from_proto,
     tree_to_proto,
 )
-from evospec.services.common.errors import set_status, status_for
+from evospec.services.common.errors import public_details, set_status, status_for
 from evospec.services.config import INTERNAL_CHANNEL_OPTIONS, InternalStreamConfig
 from evospec.services.draft.server import DraftReply, DraftServer, Op, SessionStep
 from evospec.services.protocol.v1 import speculation_pb2 as spec_pb
@@ -71,6 +71,7 @@ class IdleWatch:
                 stale = [c for c, last in self._last.items() if now - last > self.timeout_s]
             for context in stale:
                 log.warning("closing a speculation stream idle for over %.0f s", self.timeout_s)
+                self.forget(context)  # cancelled once; its handler ends and frees its sessions
                 context.cancel()
 
 
@@ -154,10 +155,11 @@ class DraftServicer(spec_grpc.DraftServicer):
 
 def session_to_proto(session_id: str, step: SessionStep) -> spec_pb.SessionDraft:
     if step.error is not None:
-        if not isinstance(step.error, InvalidRequestError):
-            log.error("draft session %s failed: %r", session_id, step.error)
-        return spec_pb.SessionDraft(session_id=session_id, error=f"{type(step.error).__name__}: {step.error}",
-                                    error_code=status_for(step.error).name)
+        code = status_for(step.error)
+        if code == grpc.StatusCode.INTERNAL:  # its details stay here: the target may show the reason to clients
+            log.error("draft session %s failed", session_id, exc_info=step.error)
+        return spec_pb.SessionDraft(session_id=session_id, error=public_details(step.error, session_id),
+                                    error_code=code.name)
     reply = tree_to_proto(step.tree, step.changes) if step.tree is not None else \
         spec_pb.DraftToTarget(buffer_changes=[slot_change_to_proto(c) for c in step.changes])
     reply.head_seconds, reply.buffer_update_seconds = step.head_seconds, step.buffer_update_seconds

@@ -122,11 +122,12 @@ class GrpcFront:
                                    stats=last.stats)
 
     async def Info(self, request: pb.InfoRequest, grpc_context=None) -> pb.InfoResponse:
+        request_id = uuid.uuid4().hex
         try:
             self._authorize(grpc_context)
             checked_message(request, pb.InfoRequest)
             return info_to_proto(await self.server.info())
         except Exception as exc:
             if grpc_context is not None:
-                set_status(grpc_context, exc)
+                set_status(grpc_context, exc, request_id)
             raise

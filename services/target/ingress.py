@@ -35,6 +35,7 @@ import grpc
 log = logging.getLogger("ray.serve")
 
 TARGET_RESTARTING = "target restarting, retry"
+INTERNAL_ERROR = "internal error (request "  # how services/common/errors.public_details starts an INTERNAL message
 PUBLIC_SERVICE = "evospec.v1.Generate"
 MAX_REQUEST_BYTES_ENV = "EVOSPEC_MAX_REQUEST_BYTES"
 TLS_CERT_ENV, TLS_KEY_ENV, TLS_PORT_ENV = "EVOSPEC_TLS_CERT", "EVOSPEC_TLS_KEY", "EVOSPEC_TLS_PORT"
@@ -69,13 +70,13 @@ def public_status(exc: BaseException, status, request_id: str):
     """The status a client may see for `exc`, given the one Serve computed (a ResponseStatus)."""
     from ray.exceptions import RayActorError, RayTaskError
     original = getattr(exc, "original_exception", exc)  # Serve's gRPCStatusError wraps what a front raised
-    if original is not exc and status.code != grpc.StatusCode.INTERNAL:
-        return status  # a status our front set on purpose
+    if original is not exc and (status.code != grpc.StatusCode.INTERNAL or status.message.startswith(INTERNAL_ERROR)):
+        return status  # a status our front set on purpose (its INTERNAL message names the id in our log)
     if isinstance(original, RayActorError) or isinstance(getattr(original, "cause", None), RayActorError):
         return dataclasses.replace(status, code=grpc.StatusCode.UNAVAILABLE, message=TARGET_RESTARTING)
     if isinstance(original, RayTaskError) or status.code == grpc.StatusCode.INTERNAL:
         return dataclasses.replace(status, code=grpc.StatusCode.INTERNAL,
-                                   message=f"internal error (request {request_id}); see the server log")
+                                   message=f"{INTERNAL_ERROR}{request_id}); see the server log")
     return status
 
 
@@ -123,7 +124,11 @@ def _install_tls(server) -> None:
     if server is None or not (cert and key):
         return
     port = int(os.environ.get(TLS_PORT_ENV, DEFAULT_TLS_PORT))
-    with open(key, "rb") as k, open(cert, "rb") as c:
-        credentials = grpc.ssl_server_credentials([(k.read(), c.read())])
-    server.add_secure_port(f"[::]:{port}", credentials)
+    try:
+        with open(key, "rb") as k, open(cert, "rb") as c:
+            credentials = grpc.ssl_server_credentials([(k.read(), c.read())])
+        server.add_secure_port(f"[::]:{port}", credentials)
+    except Exception as exc:  # noqa: BLE001 - e.g. another proxy on this host holds the port: plaintext still works
+        log.warning("evospec: no TLS port %d in this proxy: %s", port, exc)
+        return
     log.info("evospec: TLS on port %d", port)

@@ -86,6 +86,15 @@ class DraftStreamError(EvoSpecError):
         return type(self), (str(self), self.code_name)
 
 
+def stream_error(err: grpc.RpcError) -> DraftStreamError:
+    """A failed call as the statistics may show it (SpecStats.fallback_reason reaches clients): the status, and the
+    details only for statuses our draft server sets with a public message (grpc's own can name addresses)."""
+    code = err.code()
+    public = code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      grpc.StatusCode.FAILED_PRECONDITION)
+    return DraftStreamError(f"draft: {err.details()}" if public else f"draft stream failed ({code.name})", code.name)
+
+
 def vocab_mismatch(draft_sha: str, target_sha: str) -> DraftStreamError:
     return DraftStreamError(f"draft and target use different static vocabularies ({draft_sha} vs {target_sha})",
                             "FAILED_PRECONDITION")
@@ -112,7 +121,7 @@ class RemoteDrafter:
         try:
             msg = next(self._call)
         except grpc.RpcError as err:  # draft failure, deadline, cancellation
-            raise DraftStreamError(f"draft: {err.details()}", err.code().name) from None
+            raise stream_error(err) from None
         if self._first:
             self._first = False
             if self.static_vocab_sha and msg.static_vocab_sha and msg.static_vocab_sha != self.static_vocab_sha:
@@ -166,7 +175,7 @@ class _MuxStream:
                 self._in.put((msg, time.monotonic()))
             error = DraftStreamError("draft: stream ended", "UNAVAILABLE")
         except grpc.RpcError as err:
-            error = DraftStreamError(f"draft: {err.details()}", err.code().name)
+            error = stream_error(err)
         self.dead = True
         self._in.put((error, time.monotonic()))
 

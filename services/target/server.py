@@ -31,6 +31,7 @@ from evospec.services.target.remote_draft import RemoteMuxDrafter
 from evospec.tokenizer import chat_prompt_ids, load_tokenizer, max_token_bytes
 
 CHAT_ROLES = ("system", "user", "assistant")
+CHAT_TEMPLATE_BYTES_PER_MESSAGE = 16  # "<|im_start|>" + "\n" + "<|im_end|>\n" around each message (Qwen template)
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,8 @@ class ServerInfo:
 
 def api_tokens(public: PublicApiConfig) -> tuple[str, ...]:
     """The accepted bearer tokens: the config's and those in the environment variable it names (comma-separated)."""
-    from_env = [t.strip() for t in os.environ.get(public.auth_tokens_env, "").split(",") if t.strip()]
-    return tuple(dict.fromkeys([*public.auth_tokens, *from_env]))
+    from_env = [t.strip() for t in os.environ.get(public.auth_tokens_env, "").split(",")]
+    return tuple(dict.fromkeys(t for t in [*public.auth_tokens, *from_env] if t.strip()))  # never an empty token
 
 
 class MetricsSink(Protocol):
@@ -171,10 +172,16 @@ class TargetServer:
                                                           f"{context} tokens")
         if limit is None:
             return
-        texts = [prompt.text] if prompt.text is not None else [m.content for m in prompt.messages or ()]
+        messages = prompt.messages or ()
+        if len(messages) >= context:  # each message renders to several template tokens
+            raise InvalidRequestError("chat.messages", f"has {len(messages)} messages; the context holds {context} "
+                                                       f"tokens")
+        # Chat: the roles and the template's text around each message count too (an upper bound of its bytes).
+        texts = [prompt.text] if prompt.text is not None else [m.role + m.content for m in messages]
+        overhead = CHAT_TEMPLATE_BYTES_PER_MESSAGE * len(messages)
         field_name = "prompt" if prompt.text is not None else "chat.messages.content"
-        chars = sum(len(t) for t in texts)  # a lower bound on the bytes: no encoding of a huge text
-        size = chars if chars > limit else sum(len(t.encode("utf-8")) for t in texts)
+        chars = sum(len(t) for t in texts) + overhead  # a lower bound on the bytes: no encoding of a huge text
+        size = chars if chars > limit else sum(len(t.encode("utf-8")) for t in texts) + overhead
         if size > limit:
             raise InvalidRequestError(field_name, f"is {size} bytes; at most {limit} fit the {context}-token "
                                                   f"context: shorten it")

@@ -128,6 +128,25 @@ def test_public_bearer_tokens(service, monkeypatch):
         assert context.code == grpc.StatusCode.UNAUTHENTICATED and "token" in context.details
     reply = asyncio.run(front.GenerateOnce(request, FakeContext((("authorization", "Bearer good-token"),))))
     assert len(reply.token_ids) == 2
+    from evospec.services.config import PublicApiConfig
+    from evospec.services.target.server import api_tokens
+    monkeypatch.setenv("EVOSPEC_API_TOKENS", " a-token , ,")
+    assert api_tokens(PublicApiConfig(auth_tokens=("", "b-token"))) == ("b-token", "a-token")  # never an empty one
+
+
+def test_out_of_vocabulary_buffer_candidates_fail_their_session_as_invalid_argument(service):
+    from evospec.config import SamplingParams, SpecParams
+    from evospec.engine.drafter import DraftRequest
+    from evospec.errors import InvalidRequestError
+    from evospec.verify import VerifyResult
+    _, draft, _, _ = service
+    draft.open("cand", DraftRequest([3, 4, 5], SamplingParams(), SpecParams(), 64, 0))
+    try:
+        for candidates in ({10**9: 1.0}, {5: float("nan")}):
+            with pytest.raises(InvalidRequestError, match="buffer_candidates"):
+                draft.step("cand", VerifyResult([], [], 7), candidates)
+    finally:
+        draft.close("cand")
 
 
 # ---- the internal stream ---------------------------------------------------------------------------------------

@@ -40,6 +40,14 @@ def test_statuses_set_by_our_front_pass_unchanged():
     assert status.code == grpc.StatusCode.INVALID_ARGUMENT and status.message == "max_tokens: must be >= 1"
 
 
+def test_an_internal_error_our_front_reported_keeps_the_id_of_our_log():
+    from evospec.services.common.errors import public_details
+    message = public_details(RuntimeError("secret detail"), "our-id")
+    exc = gRPCStatusError(RuntimeError("secret detail"), grpc.StatusCode.INTERNAL, message)
+    status = status_for(exc)
+    assert status.code == grpc.StatusCode.INTERNAL and "our-id" in status.message and "secret" not in status.message
+
+
 def test_the_policy_installs_once_in_the_proxy_module():
     from ray.serve._private import proxy
     original = proxy.get_grpc_response_status
