@@ -91,8 +91,9 @@ class SpeculativeDecoder:
             raise InvalidRequestError("prompt", f"has {len(prompt_ids)} tokens; the context holds {self.max_model_len}"
                                                 f" including at least one generated token")
         if len(prompt_ids) + sampling.max_tokens > self.max_model_len:
-            raise InvalidRequestError("sampling.max_tokens", f"prompt ({len(prompt_ids)}) + max_tokens ({sampling.max_tokens}) "
-                                                    f"exceeds the context length {self.max_model_len}")
+            raise InvalidRequestError("sampling.max_tokens", f"prompt ({len(prompt_ids)}) + max_tokens "
+                                                             f"({sampling.max_tokens}) exceeds the context length "
+                                                             f"{self.max_model_len}")
         if spec.method != "ar":
             self.policies.layout(spec)
             if not remote_draft:

@@ -270,32 +270,39 @@ class DraftServer:
     def _advance(self, session: _Session, result: VerifyResult, candidates: dict[int, float],
                  teacher: TeacherSignal | None = None) -> list[SlotChange]:
         start = time.perf_counter()
-        committed = result.committed_tokens
-        if max(committed) >= self.engine.model.cfg.vocab_size:
-            raise InvalidRequestError("outcome.accepted_tokens", f"ids must be below the vocabulary size "
-                                                                 f"{self.engine.model.cfg.vocab_size}")
-        bad = [t for t, score in candidates.items() if not (0 <= t < self.engine.model.cfg.vocab_size
-                                                             and math.isfinite(score))]
-        if bad:
-            raise InvalidRequestError("outcome.buffer_candidates", f"ids must be below the vocabulary size "
-                                                                   f"{self.engine.model.cfg.vocab_size} with finite "
-                                                                   f"scores; got id {bad[0]}")
-        if len(session.draft.tokens) + len(committed) >= session.draft.cache.max_len:
-            raise InvalidRequestError("outcome", f"commits past the session's cache ({len(session.draft.tokens)} + "
-                                                 f"{len(committed)} tokens of {session.draft.cache.max_len})")
-        if teacher is not None:
-            vocab = self.engine.model.cfg.vocab_size
-            if teacher.token_ids.numel() and not 0 <= int(teacher.token_ids.min()) <= int(teacher.token_ids.max()) \
-                    < vocab:
-                raise InvalidRequestError("outcome.teacher.token_ids", f"ids must be in [0, {vocab})")
-            if self.learner is None:
-                teacher = None  # this replica does not adapt (its config changed since the target asked)
-            elif teacher.token_ids.shape[1] != self.teacher_top_k:
-                raise InvalidRequestError("outcome.teacher.k", f"is {teacher.token_ids.shape[1]}; this replica asked "
-                                                               f"for {self.teacher_top_k}")
+        self._check_outcome(session.draft, result, candidates)
+        teacher = self._usable_teacher(teacher)
         changes = self.engine.advance(session.draft, result, TargetFeedback(0, 0, candidates), teacher)
         session.update_seconds += time.perf_counter() - start
         return changes
+
+    def _check_outcome(self, draft: DraftSession, result: VerifyResult, candidates: dict[int, float]) -> None:
+        """A verified step must commit vocabulary ids that fit the session's cache; buffer candidates must be
+        vocabulary ids with finite scores (the buffer indexes per-id tables with them)."""
+        vocab, committed = self.engine.model.cfg.vocab_size, result.committed_tokens
+        if max(committed) >= vocab:
+            raise InvalidRequestError("outcome.accepted_tokens", f"ids must be below the vocabulary size {vocab}")
+        bad = [t for t, score in candidates.items() if not (0 <= t < vocab and math.isfinite(score))]
+        if bad:
+            raise InvalidRequestError("outcome.buffer_candidates", f"ids must be below the vocabulary size {vocab} "
+                                                                   f"with finite scores; got id {bad[0]}")
+        if len(draft.tokens) + len(committed) >= draft.cache.max_len:
+            raise InvalidRequestError("outcome", f"commits past the session's cache ({len(draft.tokens)} + "
+                                                 f"{len(committed)} tokens of {draft.cache.max_len})")
+
+    def _usable_teacher(self, teacher: TeacherSignal | None) -> TeacherSignal | None:
+        """The teacher signal checked against what this replica asked for (None when it does not adapt)."""
+        if teacher is None:
+            return None
+        vocab = self.engine.model.cfg.vocab_size
+        if teacher.token_ids.numel() and not 0 <= int(teacher.token_ids.min()) <= int(teacher.token_ids.max()) < vocab:
+            raise InvalidRequestError("outcome.teacher.token_ids", f"ids must be in [0, {vocab})")
+        if self.learner is None:
+            return None  # this replica does not adapt (its config changed since the target asked)
+        if teacher.token_ids.shape[1] != self.teacher_top_k:
+            raise InvalidRequestError("outcome.teacher.k", f"is {teacher.token_ids.shape[1]}; this replica asked "
+                                                           f"for {self.teacher_top_k}")
+        return teacher
 
     def _get_or_error(self, session_id: str, out: dict[str, SessionStep]) -> _Session | None:
         try:

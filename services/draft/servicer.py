@@ -44,34 +44,38 @@ def reply_to_proto(reply: DraftReply) -> spec_pb.DraftToTarget:
 
 class IdleWatch:
     """Closes streams that have sent nothing for `timeout_s` (a caller that went away without closing, or holds a
-    stream open to tie up the server), so their sessions are freed."""
+    stream open to tie up the server), so their sessions are freed. Its thread runs only while streams are open."""
 
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
         self._last: dict[object, float] = {}  # context -> monotonic time of its last message
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        threading.Thread(target=self._run, name="draft-idle-watch", daemon=True).start()
+        self._thread: threading.Thread | None = None
 
     def touch(self, context) -> None:
         with self._lock:
             self._last[context] = time.monotonic()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="draft-idle-watch", daemon=True)
+                self._thread.start()
 
     def forget(self, context) -> None:
         with self._lock:
             self._last.pop(context, None)
 
-    def close(self) -> None:
-        self._stop.set()
-
     def _run(self) -> None:
-        while not self._stop.wait(min(1.0, self.timeout_s / 4)):
+        while True:
+            time.sleep(min(1.0, self.timeout_s / 4))
             now = time.monotonic()
             with self._lock:
+                if not self._last:
+                    self._thread = None
+                    return
                 stale = [c for c, last in self._last.items() if now - last > self.timeout_s]
+                for context in stale:
+                    del self._last[context]  # cancelled once; its handler ends and frees its sessions
             for context in stale:
                 log.warning("closing a speculation stream idle for over %.0f s", self.timeout_s)
-                self.forget(context)  # cancelled once; its handler ends and frees its sessions
                 context.cancel()
 
 
@@ -170,23 +174,16 @@ def start_draft_server(server: DraftServer, host: str, limits: InternalStreamCon
                        ) -> tuple[grpc.Server, int]:
     """Plain gRPC server for the internal stream on `host` only, with standard health (what target replicas probe
     before they send sessions to this replica again); every call needs `limits.secret` when set. Port 0 = any free
-    port. Returns (server, port); `grpc_server.stop` also stops the idle watch."""
+    port. Returns (server, port)."""
     interceptors = [BearerAuthInterceptor(limits.secret)] if limits.secret else []
     # One thread per call in flight; calls beyond max_streams get RESOURCE_EXHAUSTED at once instead of queueing.
     grpc_server = grpc.server(ThreadPoolExecutor(max_workers=limits.max_streams + 1, thread_name_prefix="draft-stream"),
                               options=INTERNAL_CHANNEL_OPTIONS, interceptors=interceptors,
                               maximum_concurrent_rpcs=limits.max_streams)
-    servicer = DraftServicer(server, limits)
-    spec_grpc.add_DraftServicer_to_server(servicer, grpc_server)
+    spec_grpc.add_DraftServicer_to_server(DraftServicer(server, limits), grpc_server)
     health_servicer = health.HealthServicer()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
     port = grpc_server.add_insecure_port(f"{host}:0")
     grpc_server.start()
-    stop = grpc_server.stop
-
-    def stop_all(grace):
-        servicer.idle.close()
-        return stop(grace)
-    grpc_server.stop = stop_all
     return grpc_server, port

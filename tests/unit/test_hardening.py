@@ -186,10 +186,7 @@ def test_internal_stream_survives_any_message_sequence(service, messages):
     _, draft, _, _ = service
     servicer = DraftServicer(draft, InternalStreamConfig(max_sessions_per_stream=2))
     context = FakeContext()
-    try:
-        replies = list(servicer.SpeculateBatch(iter(messages), context))
-    finally:
-        servicer.idle.close()
+    replies = list(servicer.SpeculateBatch(iter(messages), context))
     assert context.code is None, context.details  # the stream itself never fails
     assert len(replies) == len(messages)
     for reply in replies:
