@@ -11,6 +11,7 @@ import grpc
 from evospec.errors import InvalidRequestError, OverloadedError, UnauthenticatedError
 
 log = logging.getLogger(__name__)
+INTERNAL_ERROR = "internal error (request "  # how every INTERNAL message starts (the proxy policy keeps ours)
 
 STATUS_OF = {InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
              UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
@@ -31,7 +32,7 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
 def public_details(exc: BaseException, request_id: str = "") -> str:
     """What a caller may read about `exc`: our own errors' messages; for anything else a request id to quote."""
     if status_for(exc) == grpc.StatusCode.INTERNAL:
-        return f"internal error (request {request_id or 'unknown'}); see the server log"
+        return f"{INTERNAL_ERROR}{request_id or 'unknown'}); see the server log"
     return str(exc)  # our own errors, or a status passed through from an internal call (made public there)
 
 

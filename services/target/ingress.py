@@ -32,10 +32,11 @@ from dataclasses import dataclass
 
 import grpc
 
+from evospec.services.common.errors import INTERNAL_ERROR
+
 log = logging.getLogger("ray.serve")
 
 TARGET_RESTARTING = "target restarting, retry"
-INTERNAL_ERROR = "internal error (request "  # how services/common/errors.public_details starts an INTERNAL message
 PUBLIC_SERVICE = "evospec.v1.Generate"
 MAX_REQUEST_BYTES_ENV = "EVOSPEC_MAX_REQUEST_BYTES"
 TLS_CERT_ENV, TLS_KEY_ENV, TLS_PORT_ENV = "EVOSPEC_TLS_CERT", "EVOSPEC_TLS_KEY", "EVOSPEC_TLS_PORT"
