@@ -17,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from evospec.config import SchedulerConfig
 from evospec.errors import UnauthenticatedError
 from evospec.orchestration.fuzz import INVALID, Case, Limits, Outcome, make_case
 from evospec.services.config import DraftLinkConfig, DraftServiceConfig, InternalStreamConfig, TargetServiceConfig
@@ -64,7 +65,9 @@ def service():
 
     async def name():
         return "tiny"
-    target = TargetServer.from_config(TargetServiceConfig(), DraftSide(pool, name, name))
+    # Every request drafts its full tree (no load-adaptive depth 0), so each case exercises its shape.
+    cfg = TargetServiceConfig(scheduler=SchedulerConfig(adaptive=False))
+    target = TargetServer.from_config(cfg, DraftSide(pool, name, name))
     info = asyncio.run(target.info())
     limits = Limits(info.max_model_len, info.static_vocab_size, info.max_prompt_bytes, max_tokens=4)
     yield GrpcFront(target), draft, port, limits
@@ -278,3 +281,23 @@ def test_draft_kv_memory_and_policy_cache_are_bounded():
     for key in ("b", "c"):
         draft.close(key)
     assert draft.num_sessions() == 0 and draft._kv_tokens == 0
+
+
+@pytest.mark.parametrize("tree", [{"shape": "tree", "depth": 16, "branching": 16, "budget": 8},
+                                  {"shape": "tree", "depth": 16, "branching": 16, "budget": 1},
+                                  {"shape": "chain", "num_draft_tokens": 64}])
+def test_extreme_tree_shapes_run_to_the_end_of_the_context(service, tree):
+    """Trees that forward far more nodes than they keep (greedy pruning) once overflowed the draft's cache near the
+    end of a generation: run them to the last token the context allows, through the service path, and compare with
+    the target alone."""
+    front, _, _, limits = service
+    max_tokens = 96
+    prompt = [100 + i % 500 for i in range(limits.max_model_len - max_tokens - 1)]  # ends at the context's last slot
+
+    def run(method):
+        request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True), spec=pb.SpecParams(method=method, tree=pb.TreeParams(**tree)))
+        return asyncio.run(front.GenerateOnce(request, FakeContext()))
+    reference, reply = run("ar"), run("evospec")
+    assert list(reply.token_ids) == list(reference.token_ids) and len(reply.token_ids) == max_tokens
+    assert reply.stats.fallback_steps == 0 and reply.stats.drafted >= max_tokens - 1  # a tree at every step
