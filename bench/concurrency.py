@@ -144,14 +144,16 @@ def run_service(address: str, convs: list[list[dict]], method: str, max_tokens: 
 
 
 def service_rss_mb() -> dict[str, float]:
-    """Resident memory of this application's Ray Serve replicas, by deployment (read-only process listing)."""
-    import psutil
+    """Resident memory of this application's Ray Serve replicas, by deployment: the largest replica of each."""
+    from evospec.orchestration.local import replica_processes
     out: dict[str, float] = {}
-    for proc in psutil.process_iter(["cmdline", "memory_info"]):
-        title = " ".join(proc.info["cmdline"] or [])
-        for role in ("Draft", "Target"):
-            if f"ServeReplica:evospec:{role}" in title and proc.info["memory_info"] is not None:
-                out[role.lower()] = round(max(out.get(role.lower(), 0.0), proc.info["memory_info"].rss / 2**20))
+    for role, procs in replica_processes("evospec").items():
+        sizes = []
+        for proc in procs:
+            with contextlib.suppress(Exception):  # a replica that exited meanwhile
+                sizes.append(proc.memory_info().rss / 2**20)
+        if sizes:
+            out[role] = round(max(sizes))
     return out
 
 

@@ -136,3 +136,16 @@ def service_to_drive(address: str | None, config: str) -> Iterator[tuple[str, st
         return
     with local_service(cfg.model_copy(update={"grpc_port": 0, "http_port": 0})) as local_address:
         yield local_address, cfg.app_name
+
+
+def replica_processes(app_name: str = "evospec") -> dict[str, list]:
+    """The Target and Draft replica processes of `app_name` on this machine, by role ("target", "draft"), found by
+    their Ray process titles (psutil.Process objects; read only: never used to signal anything)."""
+    import psutil
+    found: dict[str, list] = {"target": [], "draft": []}
+    for proc in psutil.process_iter(["cmdline"]):
+        line = " ".join(proc.info.get("cmdline") or ())
+        for role in found:
+            if f"ServeReplica:{app_name}:{role.capitalize()}" in line:
+                found[role].append(proc)
+    return found

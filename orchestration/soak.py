@@ -18,22 +18,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from evospec.orchestration.local import service_to_drive
+from evospec.orchestration.local import replica_processes, service_to_drive
 
 METHODS = ("evospec", "frspec", "sd", "ar")
-PROCESS_TITLES = {"target": "ServeReplica:{app}:Target", "draft": "ServeReplica:{app}:Draft"}
-
-
-def service_processes(app_name: str) -> dict[str, list]:
-    """The Target and Draft replica processes of `app_name` on this machine (psutil.Process lists); read only."""
-    import psutil
-    found: dict[str, list] = {role: [] for role in PROCESS_TITLES}
-    for proc in psutil.process_iter(["cmdline"]):
-        line = " ".join(proc.info.get("cmdline") or ())
-        for role, title in PROCESS_TITLES.items():
-            if title.format(app=app_name) in line:
-                found[role].append(proc)
-    return found
 
 
 def rss_mb(processes: dict[str, list]) -> dict[str, float]:
@@ -92,7 +79,7 @@ def run_soak(address: str, duration_s: float, concurrency: int, interval_s: floa
              num_prompts: int = 16, token: str | None = None, app_name: str = "evospec") -> dict:
     from evospec.loadtest.datasets import load_prompts
     prompts = load_prompts("medical", num_prompts, seed=0)
-    processes = service_processes(app_name)
+    processes = replica_processes(app_name)
     state, stop = SoakState(), threading.Event()
     threads = [threading.Thread(target=_worker, args=(address, prompts, max_tokens, w, stop, state, token, app_name),
                                 daemon=True) for w in range(concurrency)]
@@ -123,7 +110,7 @@ def summarize(samples: list[dict], state: SoakState, warmup_s: float = 60.0) -> 
     so one transient peak does not decide it)."""
     growth = {}
     after = [s for s in samples if s["t"] >= warmup_s]
-    for role in PROCESS_TITLES:
+    for role in ("target", "draft"):
         key = f"{role}_mb"
         if len(after) >= 2 and after[0][key] > 0:
             end = sum(s[key] for s in after[-3:]) / len(after[-3:])
