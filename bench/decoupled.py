@@ -1,82 +1,230 @@
-"""Cost of decoupling: the same method and prompts in process vs through the service (Ray Serve + gRPC, draft and
-target in separate replicas), interleaved in one run.
+"""What decoupling costs and what overlap wins back: the same methods and prompts, side by side in one run, three ways.
 
     evospec bench decoupled [--pair tiny|qwen2.5-coder] [--repeats 3] [--prompts 4] [--max-tokens 48]
+                            [--concurrency 1 8] [--methods sd frspec evospec] [--breakdown]
 
-Both sides load the models from the same service config (orchestration/configs/cpu-<pair>.yaml: paths, dtype,
-quantization, static vocabulary). Reports tokens/s both ways, their ratio, and the added wall time per step.
+- in-process: both models in this process, one continuous-batching scheduler (the service's engine) with its draft
+  in process, torch on every core;
+- decoupled: the service (Ray Serve + gRPC), draft and target in their own replicas, no pre-drafting;
+- overlap: the same service with pre-drafting (the draft drafts the likeliest outcomes' next trees while the target
+  verifies; docs/decoupled.md).
+
+Both sides load the models from the same service config (orchestration/configs/cpu-<pair>.yaml). Each repeat runs
+every (method, concurrency) cell in each mode, interleaved; repeat 0 warms up and is not recorded. Greedy, so every
+mode must give the same tokens (counted as mismatches otherwise). --breakdown prints where an engine step's time goes
+(evospec/engine/profile.py: ms per engine step by span, from the scheduler's spans and the draft replica's own
+report), the share of the draft's compute hidden under verification (overlap ratio) and how many trees were
+pre-drafted. Writes results/bench_decoupled/bench_decoupled.{json,md} and decoupled.png.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from evospec.bench.prompts import PROMPT_SETS
 from evospec.config import METHODS, SamplingParams, SpecParams
+from evospec.engine.profile import DRAFT_PARTS, HIDDEN_PARTS, STEP_SPANS, ms_per_step
 from evospec.loading import apply_torch_threads, load_pair
 from evospec.modelstore.catalog import pair_names
 from evospec.tokenizer import chat_prompt_ids
+
+MODES = ("in-process", "decoupled", "overlap")
+
+
+def run_in_process(scheduler, prompts: list[list[int]], max_tokens: int, method: str) -> dict:
+    """Every prompt submitted at once to an in-process scheduler, stepped until idle."""
+    from evospec.engine.scheduler import Finished, TokensOut
+    outputs = [[] for _ in prompts]
+    stats = [None] * len(prompts)
+
+    def sink_for(i):
+        def sink(event):
+            if isinstance(event, TokensOut):
+                outputs[i].extend(event.token_ids)
+            elif isinstance(event, Finished):
+                stats[i] = event.stats.as_dict()
+            else:
+                raise RuntimeError(f"in-process generation failed: {event}")
+        return sink
+    scheduler.profile.reset()
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        scheduler.submit(p, SamplingParams(max_tokens=max_tokens), SpecParams(method=method), sink_for(i))
+    scheduler.run_until_idle()
+    wall = time.perf_counter() - start
+    return {"wall": wall, "outputs": outputs, "stats": stats, "profile": scheduler.profile.as_dict()}
+
+
+def run_service(client, target, convs: list[list[dict]], max_tokens: int, method: str, predraft: bool) -> dict:
+    """Every conversation sent at once (one thread each) through the public gRPC API."""
+    target.profile.remote(reset=True).result()
+    start = time.perf_counter()
+    with ThreadPoolExecutor(len(convs)) as pool:
+        done = list(pool.map(lambda c: client.generate(messages=c, max_tokens=max_tokens, method=method,
+                                                       predraft=predraft), convs))
+    wall = time.perf_counter() - start
+    return {"wall": wall, "outputs": [list(d.token_ids) for d in done], "stats": [d.stats for d in done],
+            "profile": target.profile.remote().result()}
+
+
+def overlap_figures(profile: dict, stats: list[dict]) -> dict:
+    """Overlap ratio = draft compute done while the target verified (feedback commits, pre-drafting) / all draft
+    compute; predraft use = trees answered from a pre-draft / steps that drafted."""
+    s = profile["seconds"]
+    hidden = sum(s.get(k, 0.0) for k in HIDDEN_PARTS)
+    total = hidden + s.get("draft.remote_compute", 0.0)
+    steps = sum(st["steps"] - st["fallback_steps"] for st in stats)
+    return {"overlap_ratio": hidden / total if total else 0.0,
+            "predraft_use": sum(st.get("predrafted_steps", 0) for st in stats) / steps if steps else 0.0}
+
+
+def breakdown_table(cells: dict) -> str:
+    spans = [*STEP_SPANS[:3], *DRAFT_PARTS, *STEP_SPANS[3:], *HIDDEN_PARTS]
+    lines = ["| cell | ms / engine step (wall) | " + " | ".join(spans) + " |",
+             "|---|---|" + "---|" * len(spans)]
+    for name, runs in cells.items():
+        per_step = [ms_per_step(r["profile"]) for r in runs]
+        wall = statistics.median(1000 * r["wall"] / max(1, r["profile"]["steps"]) for r in runs)
+        row = [f"{statistics.median(p.get(span, 0.0) for p in per_step):.2f}" for span in spans]
+        lines.append(f"| {name} | {wall:.2f} | " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    concurrencies = sorted({r["concurrency"] for r in rows})
+    fig, axes = plt.subplots(1, len(concurrencies), figsize=(5 * len(concurrencies), 3.5), squeeze=False)
+    for ax, c in zip(axes[0], concurrencies):
+        cell = [r for r in rows if r["concurrency"] == c]
+        methods = list(dict.fromkeys(r["method"] for r in cell))
+        width = 0.8 / len(MODES)
+        for i, mode in enumerate(MODES):
+            values = [next(r["tok_s"][mode] for r in cell if r["method"] == m) for m in methods]
+            ax.bar([x + i * width for x in range(len(methods))], values, width, label=mode)
+        ax.set_xticks([x + width for x in range(len(methods))], methods)
+        ax.set_title(f"concurrency {c}")
+        ax.set_ylabel("tokens / s (median)")
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", default="tiny", choices=pair_names())
+    ap.add_argument("--config", help="service config (default orchestration/configs/cpu-<pair>.yaml)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=4, help="requests per cell at concurrency 1")
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--methods", nargs="+", default=["sd", "frspec", "evospec"], choices=METHODS)
+    ap.add_argument("--breakdown", action="store_true", help="print ms per engine step by span")
+    ap.add_argument("--hypotheses", type=int, help="pre-drafted outcomes per tree (default: the config's "
+                                                  "draft.predraft_hypotheses)")
+    ap.add_argument("--full-trees", action="store_true",
+                    help="draft every request's full tree each step (scheduler.adaptive off) on both sides")
     ap.add_argument("--out", type=Path, default=Path("results/bench_decoupled"))
     args = ap.parse_args(argv)
+    from ray import serve
+
+    from evospec.engine.scheduler import Scheduler
     from evospec.orchestration.config import AppConfig, config_for_pair
-    from evospec.orchestration.local import free_port, local_service
+    from evospec.orchestration.local import local_service
     from evospec_client import EvoSpecClient
 
-    cfg = AppConfig.from_yaml(config_for_pair(args.pair)).model_copy(
-        update={"grpc_port": free_port(), "http_port": free_port()})
-    apply_torch_threads(cfg.target.model.torch_threads)
+    cfg = AppConfig.from_yaml(args.config or config_for_pair(args.pair)).model_copy(
+        update={"grpc_port": 0, "http_port": 0})
+    if args.hypotheses is not None:
+        cfg = cfg.model_copy(update={"draft": cfg.draft.model_copy(update={"predraft_hypotheses": args.hypotheses})})
+    if args.full_trees:
+        scheduler_cfg = cfg.target.scheduler.model_copy(update={"adaptive": False})
+        cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"scheduler": scheduler_cfg})})
+    threads = os.cpu_count() or 1
+    apply_torch_threads(threads)  # in process: every core for both models (the service's replicas have their own)
     pair = load_pair(cfg.draft.model, cfg.target.model, static_vocab_path=cfg.target.static_vocab,
                      max_model_len=cfg.target.max_model_len, cooc_path=cfg.draft.cooc)
-    convs = PROMPT_SETS["medical"](args.prompts)
-    prompts = [chat_prompt_ids(pair.tokenizer, c) for c in convs]
-    rows: dict[str, dict[str, list[float]]] = {m: {"local": [], "service": [], "step_ms": []} for m in args.methods}
-    with local_service(cfg) as address, EvoSpecClient(address) as client:
+    scheduler = Scheduler(pair.decoder, cfg.target.scheduler)
+    convs_all = PROMPT_SETS["medical"](max(args.prompts, max(args.concurrency)))
+    cells: dict[tuple[str, int], dict[str, list[dict]]] = {}
+    mismatches = 0
+    with local_service(cfg) as address, EvoSpecClient(address, timeout=600) as client:
         client.wait_ready()
-        for rep in range(args.repeats + 1):  # repeat 0 warms both paths up and is not recorded
-            for method in args.methods:
-                spec = SpecParams(method=method)
-                t0 = time.perf_counter()
-                local_tokens = local_steps = 0
-                for p in prompts:
-                    gen = pair.decoder.generate(p, SamplingParams(max_tokens=args.max_tokens), spec)
-                    list(gen)
-                    local_tokens += len(gen.output_ids)
-                    local_steps += gen.stats.steps
-                t1 = time.perf_counter()
-                remote_tokens = 0
-                for c in convs:
-                    remote_tokens += len(client.generate(messages=c, max_tokens=args.max_tokens,
-                                                         method=method).token_ids)
-                t2 = time.perf_counter()
-                assert remote_tokens == local_tokens, "service and in-process outputs differ"
-                if rep:
-                    rows[method]["local"].append(local_tokens / (t1 - t0))
-                    rows[method]["service"].append(remote_tokens / (t2 - t1))
-                    rows[method]["step_ms"].append(1000 * ((t2 - t1) - (t1 - t0)) / local_steps)
-    lines = ["| method | in-process tok/s | service tok/s | service / in-process | added ms per step |",
-             "|---|---|---|---|---|"]
+        target = serve.get_deployment_handle("Target", cfg.app_name)
+        for rep in range(args.repeats + 1):  # repeat 0 warms every path up and is not recorded
+            for c in args.concurrency:
+                convs = [convs_all[i % len(convs_all)] for i in range(max(c, args.prompts if c == 1 else c))]
+                chunks = [convs[i:i + c] for i in range(0, len(convs), c)]
+                for method in args.methods:
+                    runs = {mode: [] for mode in MODES}
+                    for chunk in chunks:
+                        prompts = [chat_prompt_ids(pair.tokenizer, conv) for conv in chunk]
+                        runs["in-process"].append(run_in_process(scheduler, prompts, args.max_tokens, method))
+                        for mode in MODES[1:]:
+                            runs[mode].append(run_service(client, target, chunk, args.max_tokens, method,
+                                                          predraft=mode == "overlap"))
+                    for mode, parts in runs.items():
+                        merged = merge(parts)
+                        mismatches += sum(a != b for a, b in zip(merged["outputs"],
+                                                                 merge(runs["in-process"])["outputs"]))
+                        if rep:
+                            cells.setdefault((method, c), {}).setdefault(mode, []).append(merged)
+                    print(f"repeat {rep} c={c} {method}: " + ", ".join(
+                        f"{mode} {tokens(merge(p)) / merge(p)['wall']:.1f} tok/s" for mode, p in runs.items()),
+                          flush=True)
+    write_report(args, cells, mismatches)
+
+
+def merge(parts: list[dict]) -> dict:
+    """Several sequential runs of one cell as one: walls and profiles add up."""
+    seconds: dict[str, float] = {}
+    for p in parts:
+        for k, v in p["profile"]["seconds"].items():
+            seconds[k] = seconds.get(k, 0.0) + v
+    return {"wall": sum(p["wall"] for p in parts), "outputs": [o for p in parts for o in p["outputs"]],
+            "stats": [s for p in parts for s in p["stats"]],
+            "profile": {"steps": sum(p["profile"]["steps"] for p in parts), "seconds": seconds}}
+
+
+def tokens(run: dict) -> int:
+    return sum(len(o) for o in run["outputs"])
+
+
+def write_report(args, cells: dict, mismatches: int) -> None:
     med = statistics.median
-    for m, r in rows.items():
-        ratios = [s / loc for s, loc in zip(r["service"], r["local"])]
-        lines.append(f"| {m} | {med(r['local']):.1f} | {med(r['service']):.1f} | {med(ratios):.3f} "
-                     f"({min(ratios):.3f}–{max(ratios):.3f}) | {med(r['step_ms']):.2f} |")
-    md = "\n".join(lines) + "\n"
+    rows, lines = [], ["| method | c | in-process tok/s | decoupled tok/s | overlap tok/s | decoupled / in-process | "
+                       "overlap / in-process | overlap / decoupled | overlap ratio | pre-drafted trees |",
+                       "|---|---|---|---|---|---|---|---|---|---|"]
+    for (method, c), modes in cells.items():
+        tok_s = {m: [tokens(r) / r["wall"] for r in runs] for m, runs in modes.items()}
+        ratio = {name: [a / b for a, b in zip(tok_s[x], tok_s[y])] for name, x, y in
+                 (("dec", "decoupled", "in-process"), ("ovl", "overlap", "in-process"),
+                  ("gain", "overlap", "decoupled"))}
+        figures = [overlap_figures(r["profile"], r["stats"]) for r in modes["overlap"]]
+        rows.append({"method": method, "concurrency": c, "tok_s": {m: med(v) for m, v in tok_s.items()},
+                     "ratios": ratio, "overlap": figures})
+        cell = " | ".join(f"{med(v):.3f} ({min(v):.3f}–{max(v):.3f})" for v in ratio.values())
+        lines.append(f"| {method} | {c} | {med(tok_s['in-process']):.1f} | {med(tok_s['decoupled']):.1f} | "
+                     f"{med(tok_s['overlap']):.1f} | {cell} | {med(f['overlap_ratio'] for f in figures):.2f} | "
+                     f"{med(f['predraft_use'] for f in figures):.0%} |")
+    md = "\n".join(lines) + f"\n\nGreedy outputs that differ from in-process: {mismatches}.\n"
+    if args.breakdown:
+        md += "\nms per engine step by span (median over repeats):\n\n" + breakdown_table(
+            {f"{mode} {method} c={c}": runs for (method, c), modes in cells.items() for mode, runs in modes.items()})
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_decoupled.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
-                                                               "rows": rows}, indent=1))
+    (args.out / "bench_decoupled.json").write_text(json.dumps(
+        {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rows": rows,
+         "mismatches": mismatches,
+         "profiles": {f"{mode} {m} c={c}": [r["profile"] for r in runs] for (m, c), modes in cells.items()
+                      for mode, runs in modes.items()}}, indent=1))
     (args.out / "bench_decoupled.md").write_text(md)
+    plot(rows, args.out / "decoupled.png")
     print(md)
 
 

@@ -90,17 +90,24 @@ class SpecParams(BaseModel):
     method: Method = "evospec"
     tree: TreeParams = TreeParams()
     vocab: VocabParams = VocabParams()
+    # A decoupled draft drafts the likeliest outcomes' next trees while the target verifies (greedy requests only;
+    # docs/decoupled.md). An in-process draft has nothing to overlap with and ignores it.
+    predraft: bool = True
 
 
 class ModelConfig(BaseModel):
     """One model of the pair. path None = the embedded tiny pair. device auto = CUDA when available, else CPU;
-    dtype auto = bfloat16 on CUDA, float32 on CPU. torch_threads None = leave torch's (or Ray's) choice.
+    dtype auto = bfloat16 on CUDA, float32 on CPU. torch_threads None = leave torch's (or Ray's) choice (Ray sets one
+    thread for a replica with num_cpus 0).
     quantize int8 = dynamic int8 decoder layers (CPU, float32; meant for the draft, whose output is only proposed)."""
     model_config = ConfigDict(frozen=True, extra="forbid")
     path: str | None = None
     device: str = "auto"
     dtype: DType = "auto"
     torch_threads: int | None = Field(None, ge=1)
+    # Pin the process that runs this model to these CPU ids (Linux; None = no pinning): on a CPU deployment, giving
+    # the draft and the target replicas their own cores keeps their threads from competing (docs/decoupled.md).
+    cpu_affinity: tuple[int, ...] | None = None
     quantize: Quantize = "none"
 
     @model_validator(mode="after")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,19 @@ def apply_torch_threads(threads: int | None) -> None:
     2-core box; a configured thread count overrides it."""
     if threads:
         torch.set_num_threads(threads)
+
+
+def apply_cpu_settings(cfg: ModelConfig) -> None:
+    """The process's CPU share for this model: its torch threads and, when configured, the cores it may run on."""
+    if cfg.cpu_affinity is not None:
+        if not hasattr(os, "sched_setaffinity"):
+            raise ValueError("model.cpu_affinity needs Linux (os.sched_setaffinity)")
+        unknown = set(cfg.cpu_affinity) - os.sched_getaffinity(0)
+        if unknown:
+            raise ValueError(f"model.cpu_affinity names CPUs {sorted(unknown)} this process may not use "
+                             f"(allowed: {sorted(os.sched_getaffinity(0))})")
+        os.sched_setaffinity(0, cfg.cpu_affinity)
+    apply_torch_threads(cfg.torch_threads)
 
 
 def model_folder(cfg: ModelConfig, role: str) -> Path:

@@ -93,6 +93,9 @@ class DraftServiceConfig(BaseModel):
     # KV slots all open draft sessions may hold (each has its own cache): about 4 target replicas' default arenas.
     # A session beyond it is refused (RESOURCE_EXHAUSTED): its generation runs target-only and retries later.
     max_kv_tokens: int = Field(131072, ge=1024)
+    # Overlap: while the target verifies a tree, pre-draft the next tree for this many of its likeliest outcomes
+    # (greedy requests that keep spec.predraft on; 0 = never). docs/decoupled.md has the measured choice.
+    predraft_hypotheses: int = Field(4, ge=0, le=16)
 
 
 class TargetServiceConfig(BaseModel):

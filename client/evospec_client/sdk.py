@@ -51,7 +51,8 @@ def build_request(prompt: str | None = None, messages: list[dict] | None = None,
                   max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
                   top_k: int = 0, seed: int | None = None, ignore_eos: bool = False, method: str = "",
                   tree: dict | None = None, static_size: int | None = None, dynamic_size: int | None = None,
-                  retrieval: list[str] | None = None, request_id: str = "") -> pb.GenerateRequest:
+                  retrieval: list[str] | None = None, predraft: bool | None = None,
+                  request_id: str = "") -> pb.GenerateRequest:
     given = [x is not None for x in (prompt, messages, prompt_token_ids)]
     if sum(given) != 1:
         raise ValueError("pass exactly one of prompt, messages or prompt_token_ids")
@@ -64,6 +65,8 @@ def build_request(prompt: str | None = None, messages: list[dict] | None = None,
         spec.static_size = static_size
     if dynamic_size is not None:
         spec.dynamic_size = dynamic_size
+    if predraft is not None:
+        spec.predraft = predraft
     req = pb.GenerateRequest(request_id=request_id, sampling=sampling, spec=spec)
     if prompt is not None:
         req.prompt = prompt

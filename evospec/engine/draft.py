@@ -28,6 +28,15 @@ from evospec.adapt.learner import Learner
 from evospec.adapt.replay import Trajectory
 from evospec.adapt.signal import TeacherSignal
 from evospec.config import SamplingParams, TreeParams
+from evospec.engine.predraft import (
+    Hypothesis,
+    PredraftState,
+    forwarded_nodes,
+    likely_outcomes,
+    path_to,
+    predraft_slots,
+    region_start,
+)
 from evospec.kernels.tree import chain_then_tree_mask
 from evospec.model import KVCache, Qwen3, Segment
 from evospec.sampling import logits_to_probs, sample_without_replacement
@@ -49,6 +58,7 @@ class DraftSession:
     forwarded_slot: dict[int, int] = field(default_factory=dict)  # last tree: node -> scratch cache slot
     head_seconds: float = 0.0  # time in the (pruned) LM head: the FR-Spec/EvoSpec bottleneck
     trajectory: Trajectory | None = None  # teacher positions not yet given to the learner (adaptation on)
+    predraft: PredraftState | None = None  # pre-drafting (a decoupled draft, greedy): evospec/engine/predraft.py
 
 
 @dataclass
@@ -73,21 +83,26 @@ class DraftEngine:
         return self.model.embed_tokens.weight.device
 
     @staticmethod
-    def cache_tokens(max_len: int, tree_params: TreeParams) -> int:
+    def cache_tokens(max_len: int, tree_params: TreeParams, hypotheses: int = 0) -> int:
         """KV slots a session needs: `max_len` (prompt + max_tokens + one tree + 2) plus the scratch that building a
-        tree forwards beyond the kept nodes (greedy trees expand `branching` nodes per level and prune afterwards)."""
-        forwarded = (tree_params.num_draft_tokens - 1) if tree_params.shape == "chain" else \
-            (tree_params.depth - 1) * tree_params.branching
-        return max_len + max(0, forwarded - tree_params.max_nodes) + 1
+        tree forwards beyond the kept nodes (greedy trees expand `branching` nodes per level and prune afterwards),
+        plus pre-drafting's scratch for `hypotheses` predicted outcomes."""
+        forwarded = forwarded_nodes(tree_params)
+        return max_len + max(0, forwarded - tree_params.max_nodes) + 1 + predraft_slots(tree_params, hypotheses)
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams, tree_params: TreeParams,
-              vocab_policy: VocabPolicy, max_len: int, seed: int, cache: KVCache | None = None) -> DraftSession:
-        """A session over `cache` (a KVArena region from the scheduler) or a cache of its own."""
+              vocab_policy: VocabPolicy, max_len: int, seed: int, cache: KVCache | None = None,
+              hypotheses: int = 0) -> DraftSession:
+        """A session over `cache` (a KVArena region from the scheduler) or a cache of its own. hypotheses > 0 (greedy
+        only): pre-draft that many predicted outcomes of each tree while the target verifies it."""
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        cache = cache if cache is not None else self.model.new_cache(self.cache_tokens(max_len, tree_params))
+        hypotheses = hypotheses if sampling.greedy else 0
+        cache = cache if cache is not None else \
+            self.model.new_cache(self.cache_tokens(max_len, tree_params, hypotheses))
         trajectory = self.learner.new_trajectory() if self.learner is not None else None
         return DraftSession(cache, list(prompt_ids), vocab_policy.new_session(prompt_ids), sampling, tree_params,
-                            generator, trajectory=trajectory)
+                            generator, trajectory=trajectory,
+                            predraft=PredraftState(hypotheses) if hypotheses else None)
 
     def end(self, session: DraftSession) -> None:
         """The session is over: cancel its pending buffer update, hand its last teacher positions to the learner."""
@@ -112,7 +127,8 @@ class DraftEngine:
     @torch.inference_mode()
     def _propose_many(self, requests: list[tuple[DraftSession, TreeParams]],
                       prefills: list[tuple[DraftSession, int]]) -> list[DraftTree]:
-        builders = [TreeBuilder(self, session, params) for session, params in requests]
+        builders = [TreeBuilder(self, session, params, session.predraft.hypotheses if session.predraft else 0)
+                    for session, params in requests]
         segments = [self.prefill_segment(session, n) for session, n in prefills]
         segments += [b.feed_segment() for b in builders]
         hidden = self.model.forward_packed(segments) if segments else None
@@ -125,8 +141,17 @@ class DraftEngine:
             b.session.cache.advance(seg.num_tokens)
             offset += seg.num_tokens
             last_rows.append(hidden[offset - 1:offset])  # the root's distribution comes from the last fed token
-        for b, logits in zip(builders, self._heads(builders, last_rows)):
+        for b, logits in zip(builders, self.heads(builders, last_rows)):
             b.on_feed(logits[0])
+        trees = self.expand(builders)
+        for b in builders:
+            b.session.forwarded_slot = b.slot_of
+            if b.session.predraft is not None:
+                b.session.predraft.sent(b)  # the tree in flight: what pre-drafting predicts the outcome of
+        return trees
+
+    def expand(self, builders: list["TreeBuilder"]) -> list[DraftTree]:
+        """Grow started trees level by level, one packed forward per level over all of them."""
         while True:
             level = [(b, seg) for b in builders if (seg := b.frontier_segment()) is not None]
             if not level:
@@ -136,11 +161,11 @@ class DraftEngine:
             for _, seg in level:
                 rows.append(hidden[offset:offset + seg.num_tokens])
                 offset += seg.num_tokens
-            for (b, _), logits in zip(level, self._heads([b for b, _ in level], rows)):
+            for (b, _), logits in zip(level, self.heads([b for b, _ in level], rows)):
                 b.on_frontier(logits)
 
     @staticmethod
-    def _heads(builders: list["TreeBuilder"], hiddens: list[torch.Tensor]) -> list[torch.Tensor]:
+    def heads(builders: list["TreeBuilder"], hiddens: list[torch.Tensor]) -> list[torch.Tensor]:
         """Draft logits over each session's A (batched_logits), its time shared out as the sessions' head time."""
         start = time.perf_counter()
         logits = batched_logits(hiddens, [b.session.vocab.active for b in builders])
@@ -163,11 +188,113 @@ class DraftEngine:
                 teacher: TeacherSignal | None = None) -> list:
         """Between steps: commit the verified step, give its teacher signal to the learner, then let the session
         vocabulary update (-> its slot changes)."""
+        changes = self.settle(session)  # a deferred update first: slot changes reach the target in order
         first_position = len(session.tokens)
+        hit = session.predraft is not None and session.predraft.match(result)
         self.commit(session, result)
         if teacher is not None and session.trajectory is not None:
             self.learner.record(session.trajectory, session.tokens, first_position, teacher,
                                 len(result.accepted_nodes))
+        if hit:  # its next tree was drafted with the vocabulary as it is: update it once that tree is sent
+            session.predraft.deferred = (result, feedback)
+            return changes
+        return changes + session.vocab.observe(result, feedback if session.vocab.wants_target_feedback else None)
+
+    def predraft(self, sessions: list[DraftSession]) -> None:
+        """While the target verifies: next trees for the likeliest outcomes of each session's tree in flight
+        (evospec/engine/predraft.py), with one packed forward per level over all of them."""
+        with self._step_lock:
+            self._predraft([s for s in sessions if s.predraft is not None and s.predraft.in_flight is not None])
+
+    @torch.inference_mode()
+    def _predraft(self, sessions: list[DraftSession]) -> None:
+        pending: list[tuple[DraftSession, Hypothesis, list[int], int]] = []  # + the bonus' context slots, position
+        segments = []
+        for session, slot in self._forward_last_level(sessions):
+            tree, base = session.predraft.in_flight, session.cache.length
+            for node, token in likely_outcomes(tree, session.predraft.hypotheses):
+                path = path_to(tree, node)
+                context = [tree.slot_of[p] for p in path]
+                position = base + len(path)  # the root of the tree in flight is at base - 1
+                mask = torch.zeros(1, slot + 1, dtype=torch.bool)
+                mask[0, :base] = True
+                mask[0, context] = True
+                mask[0, slot] = True
+                segments.append(Segment(session.cache, torch.tensor([token]), torch.tensor([position]), mask, slot))
+                builder = TreeBuilder(self, session, tree.params, session.predraft.hypotheses)
+                pending.append((session, Hypothesis(path, token, slot, builder), context, position))
+                slot += 1 + forwarded_nodes(tree.params)
+        if not segments:
+            return
+        hidden = self.model.forward_packed(segments)
+        builders = [h.builder for _, h, _, _ in pending]
+        for (session, h, context, position), logits in zip(pending, self.heads(builders, hidden.split(1))):
+            h.builder.start(logits[0], prefix_len=session.cache.length, root_position=position,
+                            write_from=h.bonus_slot + 1, context_slots=[*context, h.bonus_slot])
+        for (session, h, _, _), tree in zip(pending, self.expand(builders)):
+            h.tree = tree
+            session.predraft.options.append(h)
+
+    def _forward_last_level(self, sessions: list[DraftSession]) -> list[tuple[DraftSession, int]]:
+        """Forward each tree in flight's nodes that building it never forwarded (its last level), so that every
+        node has its next-token alternatives and a KV slot (a real outcome that accepts one commits it from there).
+        Returns each session that has room to pre-draft, with the first slot for its hypotheses."""
+        starts, segments, owners = [], [], []
+        for session in sessions:
+            tree, base = session.predraft.in_flight, session.cache.length
+            region = region_start(base, tree.params)
+            unforwarded = [i for i in range(len(tree.nodes)) if i not in tree.slot_of]
+            end = region + len(unforwarded) + session.predraft.hypotheses * (1 + forwarded_nodes(tree.params))
+            if end > session.cache.max_len:  # near the end of its budget: the last steps draft as usual
+                session.predraft.in_flight = None
+                continue
+            starts.append((session, region + len(unforwarded)))
+            if not unforwarded:
+                continue
+            mask = torch.zeros(len(unforwarded), region + len(unforwarded), dtype=torch.bool)
+            mask[:, :base] = True
+            for row, node in enumerate(unforwarded):
+                mask[row, [tree.slot_of[a] for a in path_to(tree, tree.nodes[node].parent)]] = True
+                mask[row, region + row] = True
+            tokens = torch.tensor([tree.nodes[n].token for n in unforwarded])
+            positions = torch.tensor([base - 1 + tree.nodes[n].depth for n in unforwarded])
+            segments.append(Segment(session.cache, tokens, positions, mask, region))
+            owners.append((tree, unforwarded, region))
+        if segments:
+            hidden = self.model.forward_packed(segments)
+            rows = hidden.split([len(u) for _, u, _ in owners])
+            for (tree, unforwarded, region), logits in zip(owners, self.heads([t for t, _, _ in owners], rows)):
+                for row, node in enumerate(unforwarded):
+                    tree.alternatives[node] = tree._best(logits[row], tree.num_alternatives)
+                    tree.slot_of[node] = region + row  # the session's forwarded_slot: the same dict
+        return starts
+
+    def take_predrafted(self, session: DraftSession, params: TreeParams) -> DraftTree | None:
+        """The tree pre-drafted for the outcome just committed, if there is one of the shape asked for now: b and
+        the tree's nodes take their places after the committed prefix, as after a normal draft step."""
+        state = session.predraft
+        hypothesis = state.ready if state is not None else None
+        if hypothesis is None:
+            return None
+        state.ready = None
+        builder = hypothesis.builder
+        if builder.params != params or session.cache.length != len(session.tokens) - 1:
+            return None
+        session.cache.commit([hypothesis.bonus_slot])
+        nodes = sorted(builder.slot_of, key=builder.slot_of.get)
+        session.cache.move_to_scratch([builder.slot_of[n] for n in nodes])
+        builder.slot_of = {n: session.cache.length + i for i, n in enumerate(nodes)}
+        session.forwarded_slot = builder.slot_of
+        state.sent(builder)
+        return hypothesis.tree
+
+    def settle(self, session: DraftSession) -> list:
+        """The buffer update a pre-drafted hit deferred (-> its slot changes), now that its tree has been sent."""
+        state = session.predraft
+        if state is None or state.deferred is None:
+            return []
+        result, feedback = state.deferred
+        state.deferred = None
         return session.vocab.observe(result, feedback if session.vocab.wants_target_feedback else None)
 
     def commit(self, session: DraftSession, result: VerifyResult) -> None:
@@ -186,8 +313,11 @@ class TreeBuilder:
     """One session's tree for one step, built level by level so that a driver can pack many sessions' forwards:
     `feed_segment` -> `on_feed`, then `frontier_segment` -> `on_frontier` until it returns None, then `tree`."""
 
-    def __init__(self, engine: DraftEngine, session: DraftSession, params: TreeParams):
+    def __init__(self, engine: DraftEngine, session: DraftSession, params: TreeParams, alternatives: int = 0):
+        """alternatives: also keep each expanded node's next `alternatives` best tokens beyond its children (greedy;
+        what pre-drafting ranks the step's possible outcomes by)."""
         self.session = session
+        self.params = params
         chain = params.shape == "chain"
         self.branching = 1 if chain else params.branching
         self.levels_left = (params.num_draft_tokens if chain else params.depth) - 1
@@ -198,7 +328,14 @@ class TreeBuilder:
         self.ancestors: list[list[int]] = []
         self.draft_probs: dict[int, torch.Tensor] = {}
         self.frontier: list[int] = []
-        self.base = 0  # first scratch slot for tree nodes
+        self.slot_of: dict[int, int] = {}  # forwarded node -> its scratch cache slot
+        # Where the tree sits: every node attends to the committed slots [0, prefix_len) and to `context_slots` (a
+        # pre-draft's predicted path); node depth d is at position root_position + d; frontier nodes are written
+        # from slot write_from on.
+        self.prefix_len = self.root_position = self.write_from = 0
+        self.context_slots: list[int] = []
+        self.num_alternatives = alternatives if session.sampling.greedy else 0
+        self.alternatives: dict[int, list[tuple[int, float]]] = {}  # node (-1 = root) -> best (token, log q)
         self._pending_frontier: list[int] = []
 
     def feed_segment(self) -> Segment:
@@ -211,8 +348,15 @@ class TreeBuilder:
 
     def on_feed(self, root_logits: torch.Tensor) -> None:
         """root_logits: [|A|], after the fed chain is in the cache."""
-        self.base = self.session.cache.length
-        self.session.forwarded_slot = {}
+        base = self.session.cache.length
+        self.start(root_logits, prefix_len=base, root_position=base - 1, write_from=base)
+        self.session.forwarded_slot = self.slot_of
+
+    def start(self, root_logits: torch.Tensor, prefix_len: int, root_position: int, write_from: int,
+              context_slots: list[int] = ()) -> None:
+        """The root's children from root_logits [|A|] (the output at `root_position`), and where the tree sits."""
+        self.prefix_len, self.root_position, self.write_from = prefix_len, root_position, write_from
+        self.context_slots = list(context_slots)
         self.frontier = self._add_children(-1, root_logits)
 
     def frontier_segment(self) -> Segment | None:
@@ -224,18 +368,19 @@ class TreeBuilder:
         frontier = sorted(self.frontier, key=lambda i: -nodes[i].score)[:self.branching]
         if not frontier:
             return None
-        slot_of = self.session.forwarded_slot
-        write_start = self.base + len(slot_of)
+        slot_of = self.slot_of
+        write_start = self.write_from + len(slot_of)
         f = len(frontier)
         mask = torch.zeros(f, write_start + f, dtype=torch.bool)
-        mask[:, :self.base] = True
+        mask[:, :self.prefix_len] = True
+        mask[:, self.context_slots] = True
         for row, node in enumerate(frontier):
             for anc in self.ancestors[node]:
                 mask[row, slot_of[anc]] = True
             mask[row, write_start + row] = True
             slot_of[node] = write_start + row
         self._pending_frontier = frontier
-        positions = torch.tensor([self.base - 1 + nodes[n].depth for n in frontier])
+        positions = torch.tensor([self.root_position + nodes[n].depth for n in frontier])
         return Segment(self.session.cache, torch.tensor([nodes[n].token for n in frontier], dtype=torch.long),
                        positions, mask, write_start)
 
@@ -253,6 +398,8 @@ class TreeBuilder:
         slots, logq, q = self._children(logits)
         if not self.session.sampling.greedy:
             self.draft_probs[parent] = q
+        if self.num_alternatives:
+            self.alternatives[parent] = self._best(logits, self.branching + self.num_alternatives)
         parent_score = 0.0 if parent < 0 else self.nodes[parent].score
         parent_depth = 0 if parent < 0 else self.nodes[parent].depth
         new = []
@@ -273,22 +420,27 @@ class TreeBuilder:
             slots = sample_without_replacement(q, k, session.generator)
         return slots.tolist(), q[slots].log().tolist(), q
 
+    def _best(self, logits: torch.Tensor, n: int) -> list[tuple[int, float]]:
+        """The n most likely tokens (ids) under logits [|A|] with their log q."""
+        top = logits.topk(min(n, int(torch.isfinite(logits).sum())))
+        logq = top.values - logits.logsumexp(-1)
+        return list(zip(self.active_ids[top.indices].tolist(), logq.tolist()))
+
     def tree(self) -> DraftTree:
+        """The kept nodes renumbered 0..n-1 (parents before children); `slot_of`, `nodes` and `alternatives` follow
+        the new numbering."""
         nodes = self.nodes
         keep = list(range(len(nodes)))
         if self.session.sampling.greedy and len(nodes) > self.budget:
             ranked = sorted(keep, key=lambda i: (-nodes[i].score, nodes[i].depth))
             keep = sorted(ranked[:self.budget])
-        return self._to_tree(self.session, nodes, keep, self.draft_probs, self.active_ids)
-
-    @staticmethod
-    def _to_tree(session, nodes, keep, draft_probs, active_ids) -> DraftTree:
-        """Renumber the kept nodes 0..n-1 (parents stay before children) and remap forwarded slots."""
         new_index = {old: new for new, old in enumerate(keep)}
-        parents = [new_index[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in keep]
-        session.forwarded_slot = {new_index[o]: s for o, s in session.forwarded_slot.items() if o in new_index}
-        probs = {(new_index[p] if p >= 0 else -1): q for p, q in draft_probs.items() if p < 0 or p in new_index}
-        return DraftTree(torch.tensor([nodes[i].token for i in keep], dtype=torch.long),
-                         torch.tensor(parents, dtype=torch.long), probs,
-                         active_ids.clone() if probs else None)  # a snapshot: D may change after this step
+        renumber = {-1: -1, **new_index}
+        self.slot_of = {new_index[o]: s for o, s in self.slot_of.items() if o in new_index}
+        self.alternatives = {renumber[p]: alt for p, alt in self.alternatives.items() if p in renumber}
+        self.nodes = [_Node(nodes[i].token, renumber[nodes[i].parent], nodes[i].depth, nodes[i].score) for i in keep]
+        probs = {renumber[p]: q for p, q in self.draft_probs.items() if p in renumber}
+        return DraftTree(torch.tensor([n.token for n in self.nodes], dtype=torch.long),
+                         torch.tensor([n.parent for n in self.nodes], dtype=torch.long), probs,
+                         self.active_ids.clone() if probs else None)  # a snapshot: D may change after this step
 

@@ -42,6 +42,7 @@ from evospec.engine.budget import (
 )
 from evospec.engine.drafter import BatchDrafter, DraftRequest, LocalBatchDrafter
 from evospec.engine.generate import SpeculativeDecoder, apply_stop_rules
+from evospec.engine.profile import StepProfile
 from evospec.engine.stats import SpecStats
 from evospec.engine.target import TargetSession
 from evospec.errors import EvoSpecError, OverloadedError
@@ -151,6 +152,9 @@ class Scheduler:
             draft_arena = KVArena(decoder.draft.model, config.draft_kv_tokens or config.kv_tokens)
             drafter = LocalBatchDrafter(decoder.draft, decoder.policies, draft_arena)
         self.drafter = drafter
+        self.profile = StepProfile()  # where step time goes (evospec bench decoupled --breakdown)
+        if hasattr(drafter, "profile"):
+            drafter.profile = self.profile  # a remote drafter adds its transport's parts
         self.budget = budget if budget is not None or not config.adaptive else self._measured_budget()
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: dict[str, _Request] = {}  # key -> request, in admission order
@@ -259,39 +263,54 @@ class Scheduler:
             self.step()
 
     def step(self) -> None:
-        self._admit()
-        self._drop_cancelled()
-        if self.drafter is not None:
-            self._resume_drafts()
+        profile = self.profile
+        with profile.span("admit"):
+            self._admit()
+            self._drop_cancelled()
+            if self.drafter is not None:
+                self._resume_drafts()
         if not self._running:
             return
-        prefills = self._plan_prefill()
-        decoding = [r for r in self._running.values() if r.target.prefill_remaining == 0]
-        drafting = [r for r in decoding if r.drafting]  # before _draft: a catch-up may end in it, a failure drop
-        k = self._choose_depth(drafting, sum(prefills.values()))
-        draft_prefill = any(self._running[key].drafted for key in prefills) or any(r.draft_lag for r in decoding)
+        with profile.span("plan"):
+            prefills = self._plan_prefill()
+            decoding = [r for r in self._running.values() if r.target.prefill_remaining == 0]
+            drafting = [r for r in decoding if r.drafting]  # before _draft: a catch-up may end in it, a failure drop
+            k = self._choose_depth(drafting, sum(prefills.values()))
+            draft_prefill = any(self._running[key].drafted for key in prefills) or any(r.draft_lag for r in decoding)
         start = time.perf_counter()
-        trees = self._draft(decoding, prefills, k)
+        with profile.span("draft"):
+            trees = self._draft(decoding, prefills, k)
         draft_seconds = time.perf_counter() - start
         tokens, target_seconds, feedback_seconds, committed = self._verify(decoding, prefills, trees,
                                                                            {r.key for r in drafting})
-        if self.budget is not None and not draft_prefill:  # a draft prefill chunk would skew the per-level cost
-            drafted_rows: dict[tuple, tuple[int, int]] = {}  # kind -> (sessions, rows per level) that got trees
-            for r in decoding:
-                if r.key in trees:
-                    sessions, rows = drafted_rows.get(r.kind, (0, 0))
-                    width = 1 if r.spec.tree.shape == "chain" else r.spec.tree.branching
-                    drafted_rows[r.kind] = (sessions + 1, rows + width)
-            self.budget.record_step(tokens, target_seconds, k if trees else 0, drafted_rows,
-                                    draft_seconds + feedback_seconds)
-            speculative = [r for r in decoding if r.drafting]
-            if not prefills and speculative:
-                self.budget.record_goodput(frozenset(r.kind for r in speculative), len(speculative), bool(trees),
-                                           committed, draft_seconds + target_seconds + feedback_seconds)
+        with profile.span("plan"):
+            self._record_costs(decoding, prefills, trees, k, draft_prefill, tokens, target_seconds,
+                               draft_seconds + feedback_seconds, committed)
         if self.drafter is not None:
-            self._flush_drafter()
+            with profile.span("flush"):
+                self._flush_drafter()
         self.steps += 1
+        profile.steps += 1
         self.depth_histogram[k] += 1
+
+    def _record_costs(self, decoding: list[_Request], prefills: dict[str, int], trees: dict[str, DraftTree], k: int,
+                      draft_prefill: bool, tokens: int, target_seconds: float, draft_seconds: float,
+                      committed: int) -> None:
+        """What the step cost and gave, for the speculation budget's models (a draft prefill chunk would skew the
+        per-level cost, so such steps are not recorded)."""
+        if self.budget is None or draft_prefill:
+            return
+        drafted_rows: dict[tuple, tuple[int, int]] = {}  # kind -> (sessions, rows per level) that got trees
+        for r in decoding:
+            if r.key in trees:
+                sessions, rows = drafted_rows.get(r.kind, (0, 0))
+                width = 1 if r.spec.tree.shape == "chain" else r.spec.tree.branching
+                drafted_rows[r.kind] = (sessions + 1, rows + width)
+        self.budget.record_step(tokens, target_seconds, k if trees else 0, drafted_rows, draft_seconds)
+        speculative = [r for r in decoding if r.drafting]
+        if not prefills and speculative:
+            self.budget.record_goodput(frozenset(r.kind for r in speculative), len(speculative), bool(trees),
+                                       committed, draft_seconds + target_seconds)
 
     # ---- one step, layer by layer -------------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -434,6 +453,8 @@ class Scheduler:
                 self._fail(request, exc)
             return 0, 0.0, 0.0, 0
         seconds = time.perf_counter() - start
+        self.profile.add("verify", seconds)
+        commit_start = time.perf_counter()
         committed = sum(len(step.result.committed_tokens) for step in steps)
         forward_tokens = sum(n for _, n in prefill_items) + sum(1 + t.size for _, t in verifies)
         verify_seconds = seconds
@@ -461,6 +482,7 @@ class Scheduler:
             if finish is not None:
                 self._release(request)
                 self._emit(request, Finished(finish, stats))
+        self.profile.add("commit", time.perf_counter() - commit_start)
         if feedback:
             start = time.perf_counter()
             try:
@@ -470,6 +492,7 @@ class Scheduler:
                     if key in self._running:
                         self._drop_draft(self._running[key], exc)
             seconds = time.perf_counter() - start
+            self.profile.add("feedback", seconds)
             for key, (_, stats) in feedback.items():
                 stats.draft_seconds += seconds
             return forward_tokens, verify_seconds, seconds, committed

@@ -34,6 +34,7 @@ class SpecStats:
     buffer_hits_semantic: int = 0
     buffer_hits_target: int = 0
     teacher_signal_bytes: int = 0  # online adaptation: the target's top-k payload sent to the draft
+    predrafted_steps: int = 0  # trees the decoupled draft had ready before their step's context was known
 
     def record_step(self, drafted: int, accepted: int) -> None:
         self.steps += 1

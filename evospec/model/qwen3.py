@@ -130,6 +130,14 @@ class KVCache:
         """Mark the n slots after the committed prefix (just written by a chain forward) as committed."""
         self.length += n
 
+    def move_to_scratch(self, slots: list[int]) -> None:
+        """Move the given scratch slots (increasing, slots[i] >= length + i) to the scratch right after the
+        committed prefix, in order, without committing them (a pre-drafted tree taking a drafted tree's place)."""
+        if slots:
+            src = torch.tensor(slots, dtype=torch.long, device=self.keys.device)
+            compact_kv(self.keys, src, self.length)
+            compact_kv(self.values, src, self.length)
+
 
 @dataclass
 class Segment:

@@ -24,7 +24,7 @@ def start_to_proto(session_id: str, request: DraftRequest) -> spec_pb.TargetToDr
                                     branching=t.branching, budget=t.budget),
         vocab=spec_pb.DraftVocab(method=request.spec.method, static_size=v.static_size, dynamic_size=v.dynamic_size,
                                  retrieval=list(v.retrieval)),
-        seed=request.seed, max_len=request.max_len))
+        seed=request.seed, max_len=request.max_len, predraft=request.spec.predraft))
 
 
 def start_from_proto(start: spec_pb.StartSession) -> DraftRequest:
@@ -36,7 +36,7 @@ def start_from_proto(start: spec_pb.StartSession) -> DraftRequest:
                          depth=start.tree.depth, branching=start.tree.branching, budget=start.tree.budget)
         vocab = validated(VocabParams, static_size=start.vocab.static_size, dynamic_size=start.vocab.dynamic_size,
                           retrieval=tuple(start.vocab.retrieval))
-        spec = validated(SpecParams, method=start.vocab.method, tree=tree, vocab=vocab)
+        spec = validated(SpecParams, method=start.vocab.method, tree=tree, vocab=vocab, predraft=start.predraft)
     except InvalidRequestError as e:
         raise InvalidRequestError(f"start.{e.field}", e.message) from None
     if not start.prompt_token_ids:

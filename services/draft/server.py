@@ -19,7 +19,7 @@ from evospec.engine.budget import clip_depth, tree_depth
 from evospec.engine.draft import DraftEngine, DraftSession
 from evospec.engine.drafter import DraftRequest
 from evospec.errors import InvalidRequestError, OverloadedError
-from evospec.loading import apply_torch_threads, load_cooc, load_model, load_static_ids
+from evospec.loading import apply_cpu_settings, load_cooc, load_model, load_static_ids
 from evospec.services.config import DraftServiceConfig
 from evospec.tree import DraftTree
 from evospec.verify import VerifyResult
@@ -46,6 +46,7 @@ class SessionStep:
     head_seconds: float = 0.0
     buffer_update_seconds: float = 0.0
     error: Exception | None = None
+    predrafted: bool = False  # the tree was pre-drafted while the target verified the last one
 
 
 @dataclass(frozen=True)
@@ -64,30 +65,34 @@ class _Session:
     draft: DraftSession
     kv_tokens: int  # its cache's slots, counted against the server's max_kv_tokens
     update_seconds: float = 0.0
+    pending_changes: list[SlotChange] = field(default_factory=list)  # applied while pre-drafting; in the next reply
 
 
 class DraftServer:
     def __init__(self, engine: DraftEngine, policies: VocabPolicies, static_vocab_sha: str = "",
-                 model_name: str = "", max_kv_tokens: int = 131072):
-        """max_kv_tokens: KV slots all open sessions may hold together (each session's cache is its own)."""
+                 model_name: str = "", max_kv_tokens: int = 131072, predraft_hypotheses: int = 0):
+        """max_kv_tokens: KV slots all open sessions may hold together (each session's cache is its own).
+        predraft_hypotheses: outcomes of each tree to pre-draft while the target verifies it (sessions that ask)."""
         self.engine = engine
         self.policies = policies
         self.static_vocab_sha = static_vocab_sha
         self.model_name = model_name
         self.max_kv_tokens = max_kv_tokens
+        self.predraft_hypotheses = predraft_hypotheses
         self._kv_tokens = 0  # held by open sessions
         self._sessions: dict[str, _Session] = {}
         self._lock = threading.Lock()  # sessions are opened and closed from the stream server's threads
 
     @classmethod
     def from_config(cls, cfg: DraftServiceConfig) -> "DraftServer":
-        apply_torch_threads(cfg.model.torch_threads)
+        apply_cpu_settings(cfg.model)
         model, folder = load_model(cfg.model, "draft")
         static_ids, sha = load_static_ids(cfg.static_vocab)
         policies = VocabPolicies(model.head_weight, static_ids, load_cooc(cfg.cooc),
                                  max_cache_bytes=int(cfg.policy_cache_mb * 2**20))
         learner = build_learner(model, cfg.adapt)  # before the head rows are gathered: LoRA wraps the layers only
-        server = cls(DraftEngine(model, learner), policies, sha, str(Path(folder)), cfg.max_kv_tokens)
+        server = cls(DraftEngine(model, learner), policies, sha, str(Path(folder)), cfg.max_kv_tokens,
+                     cfg.predraft_hypotheses)
         server.warm_up()
         if learner is not None:
             learner.start()
@@ -189,8 +194,18 @@ class DraftServer:
                 self.close(sid)
                 out.setdefault(sid, SessionStep()).error = exc
                 sessions[sid] = None
-        requests = [(s.draft, clip_depth(s.draft.tree_params, live[sid][0]))
-                    for sid, s in sessions.items() if s is not None and live[sid][0] > 0]
+        drafting = [sid for sid, s in sessions.items() if s is not None and live[sid][0] > 0]
+        for sid in drafting:
+            session = sessions[sid]
+            tree = self.engine.take_predrafted(session.draft, clip_depth(session.draft.tree_params, live[sid][0]))
+            entry = out.setdefault(sid, SessionStep())
+            if tree is not None:
+                entry.tree, entry.predrafted = tree, True
+            else:  # nothing pre-drafted for this outcome: a deferred buffer update goes before the new tree
+                entry.changes += self.engine.settle(session.draft)
+        drafting = [sid for sid in drafting if out[sid].tree is None]
+        requests = [(sessions[sid].draft, clip_depth(sessions[sid].draft.tree_params, live[sid][0]))
+                    for sid in drafting]
         prefills = [(s.draft, live[sid][1]) for sid, s in sessions.items() if s is not None and live[sid][1] > 0]
         if requests or prefills:
             try:
@@ -199,20 +214,30 @@ class DraftServer:
                 for sid in sessions:
                     out.setdefault(sid, SessionStep()).error = exc
                 return out
-            drafting = [sid for sid, s in sessions.items() if s is not None and live[sid][0] > 0]
             for sid, tree in zip(drafting, trees):
-                out.setdefault(sid, SessionStep()).tree = tree
+                out[sid].tree = tree
         for sid, entry in out.items():
             session = self._sessions.get(sid)
             if session is not None:
+                entry.changes[:0], session.pending_changes = session.pending_changes, []  # applied before these
                 entry.head_seconds, entry.buffer_update_seconds = session.draft.head_seconds, session.update_seconds
         return out
+
+    def predraft(self, session_ids: list[str]) -> None:
+        """While the target verifies the trees just sent: deferred buffer updates (their changes go with the
+        sessions' next replies), then the next trees of each tree's likeliest outcomes (engine.predraft)."""
+        sessions = [s for sid in session_ids if (s := self._sessions.get(sid)) is not None and s.draft.predraft]
+        for session in sessions:
+            session.pending_changes += self.engine.settle(session.draft)
+        self.engine.predraft([s.draft for s in sessions])
 
     def _create(self, session_id: str, request: DraftRequest) -> _Session:
         if request.spec.method == "ar":
             raise InvalidRequestError("start.vocab.method", "'ar' drafts nothing; it never opens a draft session")
         self._check_sizes(request)
-        tokens = DraftEngine.cache_tokens(request.max_len, request.spec.tree)
+        hypotheses = self.predraft_hypotheses if request.spec.predraft else 0
+        tokens = DraftEngine.cache_tokens(request.max_len, request.spec.tree,
+                                          hypotheses if request.sampling.greedy else 0)
         with self._lock:
             if session_id in self._sessions:
                 raise InvalidRequestError("start.session_id", f"{session_id!r} is already open")
@@ -222,7 +247,8 @@ class DraftServer:
             self._kv_tokens += tokens
         try:
             draft = self.engine.start(request.prompt_ids, request.sampling, request.spec.tree,
-                                      self.policies.get(request.spec), request.max_len, request.seed)
+                                      self.policies.get(request.spec), request.max_len, request.seed,
+                                      hypotheses=hypotheses)
         except BaseException:
             with self._lock:
                 self._kv_tokens -= tokens

@@ -117,10 +117,12 @@ class DraftServicer(spec_grpc.DraftServicer):
         # Session ids are the caller's keys, namespaced per stream: callers cannot reach each other's sessions.
         prefix = uuid.uuid4().hex + "/"
         opened: set[str] = set()
+        predraft_seconds = 0.0  # pre-drafting since the last reply: reported with the next one
         self.idle.touch(context)
         try:
             for msg in request_iterator:
                 self.idle.touch(context)
+                start = time.perf_counter()
                 ops, bad = [], {}
                 for op in msg.ops:
                     sid = prefix + op.session_id
@@ -140,13 +142,22 @@ class DraftServicer(spec_grpc.DraftServicer):
                     elif kind == "close":
                         opened.discard(sid)
                 work = {prefix + w.session_id: (w.depth, w.prefill_tokens) for w in msg.work}
+                computing = time.perf_counter()
                 steps = self.server.run_step(ops, work)
+                encoding = time.perf_counter()
                 for sid, exc in bad.items():
                     steps.setdefault(sid, SessionStep()).error = exc
-                yield spec_pb.DraftStep(sessions=[session_to_proto(sid[len(prefix):], step)
-                                                  for sid, step in steps.items()],
-                                        static_vocab_sha=self.server.static_vocab_sha,
-                                        teacher_top_k=self.server.teacher_top_k)
+                reply = spec_pb.DraftStep(sessions=[session_to_proto(sid[len(prefix):], step)
+                                                    for sid, step in steps.items()],
+                                          static_vocab_sha=self.server.static_vocab_sha,
+                                          teacher_top_k=self.server.teacher_top_k,
+                                          compute_seconds=encoding - computing, predraft_seconds=predraft_seconds)
+                reply.codec_seconds = computing - start + time.perf_counter() - encoding
+                yield reply
+                # Sent: the target verifies these trees now, and the draft pre-drafts their likeliest outcomes.
+                start = time.perf_counter()
+                self.server.predraft([sid for sid, step in steps.items() if step.tree is not None])
+                predraft_seconds = time.perf_counter() - start
         except grpc.RpcError:
             pass  # the caller cancelled or went away (or the idle watch closed the stream): nobody to tell
         except Exception as exc:  # noqa: BLE001 - one status per failure, never a crash of the server
@@ -167,7 +178,8 @@ def session_to_proto(session_id: str, step: SessionStep) -> spec_pb.SessionDraft
     reply = tree_to_proto(step.tree, step.changes) if step.tree is not None else \
         spec_pb.DraftToTarget(buffer_changes=[slot_change_to_proto(c) for c in step.changes])
     reply.head_seconds, reply.buffer_update_seconds = step.head_seconds, step.buffer_update_seconds
-    return spec_pb.SessionDraft(session_id=session_id, reply=reply, has_tree=step.tree is not None)
+    return spec_pb.SessionDraft(session_id=session_id, reply=reply, has_tree=step.tree is not None,
+                                predrafted=step.predrafted)
 
 
 def start_draft_server(server: DraftServer, host: str, limits: InternalStreamConfig = InternalStreamConfig()

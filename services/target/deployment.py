@@ -83,6 +83,15 @@ class TargetDeployment:
         context = ray.get_runtime_context()
         return {"node_id": context.get_node_id(), "resources": context.get_assigned_resources()}
 
+    def profile(self, reset: bool = False) -> dict:
+        """Where this replica's engine steps spent their time since the last reset (StepProfile.as_dict; `evospec
+        bench decoupled --breakdown`)."""
+        profile = self.server.scheduler.profile
+        snapshot = profile.as_dict()
+        if reset:
+            profile.reset()
+        return snapshot
+
     def draft_replicas(self) -> list[dict]:
         """The draft replicas this target replica knows, with their health (operators, tests)."""
         return self.pool.describe()

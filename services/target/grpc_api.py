@@ -42,7 +42,8 @@ def spec_from_proto(p: pb.SpecParams, defaults: SpecParams) -> SpecParams:
         vocab["retrieval"] = tuple(p.retrieval)
     try:
         return validated(SpecParams, method=p.method or defaults.method,
-                         tree=validated(TreeParams, **tree), vocab=validated(VocabParams, **vocab))
+                         tree=validated(TreeParams, **tree), vocab=validated(VocabParams, **vocab),
+                         predraft=p.predraft if p.HasField("predraft") else defaults.predraft)
     except InvalidRequestError as e:
         raise InvalidRequestError(f"spec.{e.field}", e.message) from None
 

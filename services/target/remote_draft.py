@@ -21,6 +21,7 @@ from evospec.adapt.signal import teacher_signal
 from evospec.config import SpecParams, TreeParams
 from evospec.engine.budget import tree_depth
 from evospec.engine.drafter import DraftRequest, feedback_for
+from evospec.engine.profile import StepProfile
 from evospec.engine.stats import SpecStats
 from evospec.engine.target import VerifiedStep
 from evospec.errors import EvoSpecError
@@ -237,6 +238,7 @@ class RemoteMuxDrafter:
         self._drafted: set[str] = set()
         self._links: dict[str, _Link] = {}  # replica address -> live stream
         self._home: dict[str, _Link] = {}  # session key -> the link holding it
+        self.profile = StepProfile()  # the scheduler shares its own: the draft span's parts
 
     def available(self) -> bool:
         """Whether a new session could be opened now (some replica is healthy)."""
@@ -277,8 +279,9 @@ class RemoteMuxDrafter:
         sent = [link for link in self._links.values() if link in work or link.ops]
         prefill_tokens = {link: sum(w.prefill_tokens for w in work.get(link, [])) for link in sent}
         start = time.monotonic()
-        for link in sent:  # every replica drafts at the same time
-            link.stream.send(spec_pb.TargetStep(ops=link.take_ops(), work=work.get(link, [])))
+        with self.profile.span("draft.encode"):
+            for link in sent:  # every replica drafts at the same time
+                link.stream.send(spec_pb.TargetStep(ops=link.take_ops(), work=work.get(link, [])))
         for link in sent:
             timing = link.replica.timing
             try:
@@ -291,7 +294,8 @@ class RemoteMuxDrafter:
             timing.record(link.stream.last_arrival - start, prefill_tokens[link])  # its own time, not the wait
             if link.replica.failures:                                            # for replicas read before it
                 self.replicas.mark_ok(link.replica)
-            self._collect_trees(reply, requests, out)
+            with self.profile.span("draft.decode"):
+                self._collect_trees(reply, requests, out)
         out.update(self._errors)
         self._errors = {}
         return out
@@ -351,10 +355,19 @@ class RemoteMuxDrafter:
         """Every reply still owed by `link` (earlier flushes: their buffer changes and errors are applied in order);
         returns the last, the reply to this step."""
         while True:
-            reply = link.stream.receive(deadline)
+            with self.profile.span("draft.wait"):
+                reply = link.stream.receive(deadline)
             link.teacher_top_k = reply.teacher_top_k
-            self._apply(reply)
-            if link.stream.outstanding == 0:
+            with self.profile.span("draft.decode"):
+                self._apply(reply)
+            last = link.stream.outstanding == 0
+            if last:  # this step's work, on the critical path
+                self.profile.add("draft.remote_compute", reply.compute_seconds)
+                self.profile.add("draft.remote_codec", reply.codec_seconds)
+            else:  # an earlier flush's outcomes, committed while the target verified
+                self.profile.add("draft.remote_feedback", reply.compute_seconds + reply.codec_seconds)
+            self.profile.add("draft.remote_predraft", reply.predraft_seconds)
+            if last:
                 return reply
 
     def _fail_link(self, link: _Link, error: DraftStreamError) -> None:
@@ -380,6 +393,10 @@ class RemoteMuxDrafter:
                         requests[key])
                 except ValueError as exc:  # a malformed tree fails its session, never the batch
                     out[key] = DraftStreamError(f"draft: {exc}", "INTERNAL")
+                    continue
+                stats = self._stats.get(key)
+                if session.predrafted and stats is not None:
+                    stats.predrafted_steps += 1
 
     def _apply(self, reply: spec_pb.DraftStep) -> None:
         if self.static_vocab_sha and reply.static_vocab_sha and reply.static_vocab_sha != self.static_vocab_sha:

@@ -23,7 +23,7 @@ from evospec.engine.generate import SpeculativeDecoder
 from evospec.engine.scheduler import Failed, Finished, Scheduler, TokensOut
 from evospec.engine.stats import SpecStats
 from evospec.errors import InvalidRequestError
-from evospec.loading import apply_torch_threads, load_model, load_static_ids, stop_token_ids
+from evospec.loading import apply_cpu_settings, load_model, load_static_ids, stop_token_ids
 from evospec.services.common.bearer import check_bearer
 from evospec.services.config import PublicApiConfig, TargetServiceConfig
 from evospec.services.target.draft_link import DraftReplicas
@@ -126,7 +126,7 @@ class TargetServer:
     @classmethod
     def from_config(cls, cfg: TargetServiceConfig, drafts: DraftSide, metrics: MetricsSink | None = None
                     ) -> "TargetServer":
-        apply_torch_threads(cfg.model.torch_threads)
+        apply_cpu_settings(cfg.model)
         model, folder = load_model(cfg.model, "target")
         static_ids, sha = load_static_ids(cfg.static_vocab)
         decoder = SpeculativeDecoder(model, None, static_ids=static_ids, max_model_len=cfg.max_model_len,

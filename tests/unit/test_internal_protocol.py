@@ -496,3 +496,49 @@ def test_a_stream_closed_for_idleness_is_reopened_without_a_fallback():
         server.close()
         pool.close()
         grpc_server.stop(grace=None)
+
+
+@pytest.mark.parametrize("same_model", [False, True], ids=["random-draft", "draft-equals-target"])
+def test_predrafted_trees_change_nothing_but_the_wait(same_model):
+    """Pre-drafting (the draft drafts the likeliest outcomes' next trees while the target verifies): greedy output and
+    every counted statistic equal the in-process run's, for chains and trees of every method; trees are answered from
+    pre-drafts (always, when the draft is the target itself: its top outcome is then always right); sampled
+    requests and requests that turn it off never are."""
+    target, draft = random_pair(vocab=VOCAB, seed=9, eos=1)
+    draft = target if same_model else draft
+    local = SpeculativeDecoder(target, draft, static_ids=STATIC)
+    draft_server = DraftServer(DraftEngine(draft), VocabPolicies(draft.head_weight, STATIC), "sha", predraft_hypotheses=3)
+    grpc_server, port = start_draft_server(draft_server, "127.0.0.1")
+    pool = pool_for(f"127.0.0.1:{port}")
+    remote_only = SpeculativeDecoder(target, None, static_ids=STATIC)
+    try:
+        server = make_server(remote_only, pool)
+        requests = []
+        for method in ("sd", "evospec"):
+            for tree in (TreeParams(shape="chain", num_draft_tokens=3), TreeParams(shape="tree", depth=3, branching=2,
+                                                                                   budget=6)):
+                for temperature, predraft in ((0.0, True), (0.0, False), (0.9, True)):
+                    requests.append(GenerateRequest(
+                        Prompt(token_ids=[4, 50, 51, 7]), SamplingParams(max_tokens=30, ignore_eos=True,
+                                                                         temperature=temperature, seed=2),
+                        SpecParams(method=method, tree=tree, vocab={"static_size": 32, "dynamic_size": 8},
+                                   predraft=predraft)))
+        results = asyncio.run(collect_all(server, requests))
+        server.close()
+    finally:
+        pool.close()
+        grpc_server.stop(grace=None)
+    for request, (tokens, finished) in zip(requests, results):
+        expected = local.generate(request.prompt.token_ids, request.sampling, request.spec)
+        list(expected)
+        assert tokens == expected.output_ids, request
+        if request.sampling.greedy:
+            for key in COUNTED:
+                assert finished.stats[key] == getattr(expected.stats, key), (key, request)
+        predrafted = finished.stats["predrafted_steps"]
+        if not (request.sampling.greedy and request.spec.predraft):
+            assert predrafted == 0, request
+        elif same_model:  # every tree after the first, except after a bonus outside A (no draft can predict it)
+            assert predrafted == finished.stats["steps"] - 1 - finished.stats["misses"], request
+        else:
+            assert predrafted > 0, request

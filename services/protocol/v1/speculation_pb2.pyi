@@ -44,7 +44,7 @@ class DraftVocab(_message.Message):
     def __init__(self, method: _Optional[str] = ..., static_size: _Optional[int] = ..., dynamic_size: _Optional[int] = ..., retrieval: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StartSession(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "sampling", "tree", "vocab", "seed", "max_len")
+    __slots__ = ("session_id", "prompt_token_ids", "sampling", "tree", "vocab", "seed", "max_len", "predraft")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class StartSession(_message.Message):
     VOCAB_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     MAX_LEN_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: DraftSampling
@@ -59,7 +60,8 @@ class StartSession(_message.Message):
     vocab: DraftVocab
     seed: int
     max_len: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[DraftSampling, _Mapping]] = ..., tree: _Optional[_Union[DraftTreeShape, _Mapping]] = ..., vocab: _Optional[_Union[DraftVocab, _Mapping]] = ..., seed: _Optional[int] = ..., max_len: _Optional[int] = ...) -> None: ...
+    predraft: bool
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[DraftSampling, _Mapping]] = ..., tree: _Optional[_Union[DraftTreeShape, _Mapping]] = ..., vocab: _Optional[_Union[DraftVocab, _Mapping]] = ..., seed: _Optional[int] = ..., max_len: _Optional[int] = ..., predraft: _Optional[bool] = ...) -> None: ...
 
 class BufferCandidate(_message.Message):
     __slots__ = ("token_id", "score")
@@ -170,25 +172,33 @@ class TargetStep(_message.Message):
     def __init__(self, ops: _Optional[_Iterable[_Union[SessionOp, _Mapping]]] = ..., work: _Optional[_Iterable[_Union[DraftWork, _Mapping]]] = ...) -> None: ...
 
 class SessionDraft(_message.Message):
-    __slots__ = ("session_id", "reply", "has_tree", "error", "error_code")
+    __slots__ = ("session_id", "reply", "has_tree", "error", "error_code", "predrafted")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REPLY_FIELD_NUMBER: _ClassVar[int]
     HAS_TREE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFTED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     reply: DraftToTarget
     has_tree: bool
     error: str
     error_code: str
-    def __init__(self, session_id: _Optional[str] = ..., reply: _Optional[_Union[DraftToTarget, _Mapping]] = ..., has_tree: _Optional[bool] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ...) -> None: ...
+    predrafted: bool
+    def __init__(self, session_id: _Optional[str] = ..., reply: _Optional[_Union[DraftToTarget, _Mapping]] = ..., has_tree: _Optional[bool] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., predrafted: _Optional[bool] = ...) -> None: ...
 
 class DraftStep(_message.Message):
-    __slots__ = ("sessions", "static_vocab_sha", "teacher_top_k")
+    __slots__ = ("sessions", "static_vocab_sha", "teacher_top_k", "compute_seconds", "codec_seconds", "predraft_seconds")
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     STATIC_VOCAB_SHA_FIELD_NUMBER: _ClassVar[int]
     TEACHER_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     sessions: _containers.RepeatedCompositeFieldContainer[SessionDraft]
     static_vocab_sha: str
     teacher_top_k: int
-    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionDraft, _Mapping]]] = ..., static_vocab_sha: _Optional[str] = ..., teacher_top_k: _Optional[int] = ...) -> None: ...
+    compute_seconds: float
+    codec_seconds: float
+    predraft_seconds: float
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionDraft, _Mapping]]] = ..., static_vocab_sha: _Optional[str] = ..., teacher_top_k: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., codec_seconds: _Optional[float] = ..., predraft_seconds: _Optional[float] = ...) -> None: ...

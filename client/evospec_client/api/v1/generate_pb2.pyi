@@ -60,18 +60,20 @@ class TreeParams(_message.Message):
     def __init__(self, shape: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., depth: _Optional[int] = ..., branching: _Optional[int] = ..., budget: _Optional[int] = ...) -> None: ...
 
 class SpecParams(_message.Message):
-    __slots__ = ("method", "tree", "static_size", "dynamic_size", "retrieval")
+    __slots__ = ("method", "tree", "static_size", "dynamic_size", "retrieval", "predraft")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     STATIC_SIZE_FIELD_NUMBER: _ClassVar[int]
     DYNAMIC_SIZE_FIELD_NUMBER: _ClassVar[int]
     RETRIEVAL_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFT_FIELD_NUMBER: _ClassVar[int]
     method: str
     tree: TreeParams
     static_size: int
     dynamic_size: int
     retrieval: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, method: _Optional[str] = ..., tree: _Optional[_Union[TreeParams, _Mapping]] = ..., static_size: _Optional[int] = ..., dynamic_size: _Optional[int] = ..., retrieval: _Optional[_Iterable[str]] = ...) -> None: ...
+    predraft: bool
+    def __init__(self, method: _Optional[str] = ..., tree: _Optional[_Union[TreeParams, _Mapping]] = ..., static_size: _Optional[int] = ..., dynamic_size: _Optional[int] = ..., retrieval: _Optional[_Iterable[str]] = ..., predraft: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "chat", "sampling", "spec")
@@ -90,7 +92,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., spec: _Optional[_Union[SpecParams, _Mapping]] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("steps", "drafted", "accepted", "accepted_per_pos", "tau", "alpha", "prompt_tokens", "generated_tokens", "draft_seconds", "verify_seconds", "misses", "miss_rate", "buffer_updates", "ttft_seconds", "e2e_seconds", "method", "draft_head_seconds", "verified_positions", "buffer_update_seconds", "fallback_steps", "fallback_reason", "draft_resumes", "buffer_hits_statistical", "buffer_hits_semantic", "buffer_hits_target", "teacher_signal_bytes")
+    __slots__ = ("steps", "drafted", "accepted", "accepted_per_pos", "tau", "alpha", "prompt_tokens", "generated_tokens", "draft_seconds", "verify_seconds", "misses", "miss_rate", "buffer_updates", "ttft_seconds", "e2e_seconds", "method", "draft_head_seconds", "verified_positions", "buffer_update_seconds", "fallback_steps", "fallback_reason", "draft_resumes", "buffer_hits_statistical", "buffer_hits_semantic", "buffer_hits_target", "teacher_signal_bytes", "predrafted_steps")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +119,7 @@ class SpecStats(_message.Message):
     BUFFER_HITS_SEMANTIC_FIELD_NUMBER: _ClassVar[int]
     BUFFER_HITS_TARGET_FIELD_NUMBER: _ClassVar[int]
     TEACHER_SIGNAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFTED_STEPS_FIELD_NUMBER: _ClassVar[int]
     steps: int
     drafted: int
     accepted: int
@@ -143,7 +146,8 @@ class SpecStats(_message.Message):
     buffer_hits_semantic: int
     buffer_hits_target: int
     teacher_signal_bytes: int
-    def __init__(self, steps: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., tau: _Optional[float] = ..., alpha: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., misses: _Optional[int] = ..., miss_rate: _Optional[float] = ..., buffer_updates: _Optional[int] = ..., ttft_seconds: _Optional[float] = ..., e2e_seconds: _Optional[float] = ..., method: _Optional[str] = ..., draft_head_seconds: _Optional[float] = ..., verified_positions: _Optional[int] = ..., buffer_update_seconds: _Optional[float] = ..., fallback_steps: _Optional[int] = ..., fallback_reason: _Optional[str] = ..., draft_resumes: _Optional[int] = ..., buffer_hits_statistical: _Optional[int] = ..., buffer_hits_semantic: _Optional[int] = ..., buffer_hits_target: _Optional[int] = ..., teacher_signal_bytes: _Optional[int] = ...) -> None: ...
+    predrafted_steps: int
+    def __init__(self, steps: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., tau: _Optional[float] = ..., alpha: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., misses: _Optional[int] = ..., miss_rate: _Optional[float] = ..., buffer_updates: _Optional[int] = ..., ttft_seconds: _Optional[float] = ..., e2e_seconds: _Optional[float] = ..., method: _Optional[str] = ..., draft_head_seconds: _Optional[float] = ..., verified_positions: _Optional[int] = ..., buffer_update_seconds: _Optional[float] = ..., fallback_steps: _Optional[int] = ..., fallback_reason: _Optional[str] = ..., draft_resumes: _Optional[int] = ..., buffer_hits_statistical: _Optional[int] = ..., buffer_hits_semantic: _Optional[int] = ..., buffer_hits_target: _Optional[int] = ..., teacher_signal_bytes: _Optional[int] = ..., predrafted_steps: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "stats")

@@ -1,0 +1,49 @@
+"""Where an engine step's wall time goes: named spans summed since the last reset.
+
+The scheduler times each layer of its step (admit, plan, draft, verify, commit, feedback, flush); a remote drafter
+adds its transport's parts (encode, send, wait, decode) and what the draft replica says its own work took (compute,
+codec). `evospec bench decoupled --breakdown` reads it from both paths and prints ms per step (docs/decoupled.md).
+Spans cost two `perf_counter` calls each, so the profile is always on.
+"""
+from __future__ import annotations
+
+import collections
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+# Span names, in the order a step runs them; those under "draft" nest inside it (they are its parts, not extra time).
+STEP_SPANS = ("admit", "plan", "draft", "verify", "commit", "feedback", "flush")
+DRAFT_PARTS = ("draft.encode", "draft.wait", "draft.decode", "draft.remote_compute", "draft.remote_codec")
+# Draft-side work done while the target verifies: feedback the draft commits off the critical path, and pre-drafting.
+HIDDEN_PARTS = ("draft.remote_feedback", "draft.remote_predraft")
+
+
+@dataclass
+class StepProfile:
+    steps: int = 0
+    seconds: collections.Counter = field(default_factory=collections.Counter)
+
+    def reset(self) -> None:
+        self.steps = 0
+        self.seconds = collections.Counter()
+
+    def add(self, span: str, seconds: float) -> None:
+        self.seconds[span] += seconds
+
+    @contextmanager
+    def span(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - start
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "seconds": dict(self.seconds)}
+
+
+def ms_per_step(profile: dict) -> dict[str, float]:
+    """A profile's `as_dict()` as milliseconds per step, by span."""
+    steps = max(1, profile["steps"])
+    return {span: 1000 * s / steps for span, s in profile["seconds"].items()}
