@@ -23,6 +23,7 @@ import json
 import os
 import statistics
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -85,13 +86,15 @@ def overlap_figures(profile: dict, stats: list[dict]) -> dict:
 
 def breakdown_table(cells: dict) -> str:
     spans = [*STEP_SPANS[:3], *DRAFT_PARTS, *STEP_SPANS[3:], *HIDDEN_PARTS]
-    lines = ["| cell | ms / engine step (wall) | " + " | ".join(spans) + " |",
-             "|---|---|" + "---|" * len(spans)]
+    lines = ["| cell | mean depth | ms / engine step (wall) | " + " | ".join(spans) + " |",
+             "|---|---|---|" + "---|" * len(spans)]
     for name, runs in cells.items():
         per_step = [ms_per_step(r["profile"]) for r in runs]
         wall = statistics.median(1000 * r["wall"] / max(1, r["profile"]["steps"]) for r in runs)
+        depth = statistics.median(sum(k * n for k, n in r["profile"]["depths"].items()) / max(1, r["profile"]["steps"])
+                                  for r in runs)
         row = [f"{statistics.median(p.get(span, 0.0) for p in per_step):.2f}" for span in spans]
-        lines.append(f"| {name} | {wall:.2f} | " + " | ".join(row) + " |")
+        lines.append(f"| {name} | {depth:.2f} | {wall:.2f} | " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -126,6 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--methods", nargs="+", default=["sd", "frspec", "evospec"], choices=METHODS)
     ap.add_argument("--breakdown", action="store_true", help="print ms per engine step by span")
+    ap.add_argument("--draft-threads", type=int, help="torch threads of the draft replica (default: the config's)")
+    ap.add_argument("--target-threads", type=int, help="torch threads of the target replica (default: the config's)")
     ap.add_argument("--hypotheses", type=int, help="pre-drafted outcomes per tree (default: the config's "
                                                   "draft.predraft_hypotheses)")
     ap.add_argument("--full-trees", action="store_true",
@@ -141,6 +146,12 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg = AppConfig.from_yaml(args.config or config_for_pair(args.pair)).model_copy(
         update={"grpc_port": 0, "http_port": 0})
+    for role in ("draft", "target"):
+        threads = getattr(args, f"{role}_threads")
+        if threads is not None:
+            side = getattr(cfg, role)
+            side = side.model_copy(update={"model": side.model.model_copy(update={"torch_threads": threads})})
+            cfg = cfg.model_copy(update={role: side})
     if args.hypotheses is not None:
         cfg = cfg.model_copy(update={"draft": cfg.draft.model_copy(update={"predraft_hypotheses": args.hypotheses})})
     if args.full_trees:
@@ -183,13 +194,14 @@ def main(argv: list[str] | None = None) -> None:
 
 def merge(parts: list[dict]) -> dict:
     """Several sequential runs of one cell as one: walls and profiles add up."""
-    seconds: dict[str, float] = {}
+    seconds, depths = Counter(), Counter()
     for p in parts:
-        for k, v in p["profile"]["seconds"].items():
-            seconds[k] = seconds.get(k, 0.0) + v
+        seconds.update(p["profile"]["seconds"])
+        depths.update({int(k): v for k, v in p["profile"]["depths"].items()})
     return {"wall": sum(p["wall"] for p in parts), "outputs": [o for p in parts for o in p["outputs"]],
             "stats": [s for p in parts for s in p["stats"]],
-            "profile": {"steps": sum(p["profile"]["steps"] for p in parts), "seconds": seconds}}
+            "profile": {"steps": sum(p["profile"]["steps"] for p in parts), "seconds": dict(seconds),
+                        "depths": dict(depths)}}
 
 
 def tokens(run: dict) -> int:

@@ -23,10 +23,16 @@ HIDDEN_PARTS = ("draft.remote_feedback", "draft.remote_predraft")
 class StepProfile:
     steps: int = 0
     seconds: collections.Counter = field(default_factory=collections.Counter)
+    depths: collections.Counter = field(default_factory=collections.Counter)  # steps by the draft depth chosen
 
     def reset(self) -> None:
         self.steps = 0
         self.seconds = collections.Counter()
+        self.depths = collections.Counter()
+
+    def count_step(self, depth: int) -> None:
+        self.steps += 1
+        self.depths[depth] += 1
 
     def add(self, span: str, seconds: float) -> None:
         self.seconds[span] += seconds
@@ -40,7 +46,7 @@ class StepProfile:
             self.seconds[name] += time.perf_counter() - start
 
     def as_dict(self) -> dict:
-        return {"steps": self.steps, "seconds": dict(self.seconds)}
+        return {"steps": self.steps, "seconds": dict(self.seconds), "depths": dict(self.depths)}
 
 
 def ms_per_step(profile: dict) -> dict[str, float]:

@@ -290,7 +290,7 @@ class Scheduler:
             with profile.span("flush"):
                 self._flush_drafter()
         self.steps += 1
-        profile.steps += 1
+        profile.count_step(k)
         self.depth_histogram[k] += 1
 
     def _record_costs(self, decoding: list[_Request], prefills: dict[str, int], trees: dict[str, DraftTree], k: int,
