@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -150,12 +151,15 @@ class DraftEngine:
                 b.session.predraft.sent(b)  # the tree in flight: what pre-drafting predicts the outcome of
         return trees
 
-    def expand(self, builders: list["TreeBuilder"]) -> list[DraftTree]:
-        """Grow started trees level by level, one packed forward per level over all of them."""
+    def expand(self, builders: list["TreeBuilder"], stop: Callable[[], bool] | None = None) -> list[DraftTree] | None:
+        """Grow started trees level by level, one packed forward per level over all of them (None: `stop` said so
+        before a level)."""
         while True:
             level = [(b, seg) for b in builders if (seg := b.frontier_segment()) is not None]
             if not level:
                 return [b.tree() for b in builders]
+            if stop is not None and stop():
+                return None
             hidden = self.model.forward_packed([seg for _, seg in level])
             rows, offset = [], 0
             for _, seg in level:
@@ -200,17 +204,22 @@ class DraftEngine:
             return changes
         return changes + session.vocab.observe(result, feedback if session.vocab.wants_target_feedback else None)
 
-    def predraft(self, sessions: list[DraftSession]) -> None:
+    def predraft(self, sessions: list[DraftSession], stop: Callable[[], bool] = lambda: False) -> None:
         """While the target verifies: next trees for the likeliest outcomes of each session's tree in flight
-        (evospec/engine/predraft.py), with one packed forward per level over all of them."""
+        (evospec/engine/predraft.py), with one packed forward per level over all of them. `stop` is asked between
+        forwards: once the outcome is there, unfinished work is dropped (a miss then costs at most one forward)."""
         with self._step_lock:
-            self._predraft([s for s in sessions if s.predraft is not None and s.predraft.in_flight is not None])
+            self._predraft([s for s in sessions if s.predraft is not None and s.predraft.in_flight is not None],
+                           stop)
 
     @torch.inference_mode()
-    def _predraft(self, sessions: list[DraftSession]) -> None:
+    def _predraft(self, sessions: list[DraftSession], stop: Callable[[], bool]) -> None:
+        starts = self._forward_last_level(sessions)
+        if stop():
+            return
         pending: list[tuple[DraftSession, Hypothesis, list[int], int]] = []  # + the bonus' context slots, position
         segments = []
-        for session, slot in self._forward_last_level(sessions):
+        for session, slot in starts:
             tree, base = session.predraft.in_flight, session.cache.length
             for node, token in likely_outcomes(tree, session.predraft.hypotheses):
                 path = path_to(tree, node)
@@ -231,7 +240,10 @@ class DraftEngine:
         for (session, h, context, position), logits in zip(pending, self.heads(builders, hidden.split(1))):
             h.builder.start(logits[0], prefix_len=session.cache.length, root_position=position,
                             write_from=h.bonus_slot + 1, context_slots=[*context, h.bonus_slot])
-        for (session, h, _, _), tree in zip(pending, self.expand(builders)):
+        trees = self.expand(builders, stop)
+        if trees is None:
+            return
+        for (session, h, _, _), tree in zip(pending, trees):
             h.tree = tree
             session.predraft.options.append(h)
 

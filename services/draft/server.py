@@ -10,6 +10,7 @@ import math
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -223,13 +224,14 @@ class DraftServer:
                 entry.head_seconds, entry.buffer_update_seconds = session.draft.head_seconds, session.update_seconds
         return out
 
-    def predraft(self, session_ids: list[str]) -> None:
+    def predraft(self, session_ids: list[str], stop: Callable[[], bool] = lambda: False) -> None:
         """While the target verifies the trees just sent: deferred buffer updates (their changes go with the
-        sessions' next replies), then the next trees of each tree's likeliest outcomes (engine.predraft)."""
+        sessions' next replies), then the next trees of each tree's likeliest outcomes (engine.predraft), until
+        `stop` says the next message is there."""
         sessions = [s for sid in session_ids if (s := self._sessions.get(sid)) is not None and s.draft.predraft]
         for session in sessions:
             session.pending_changes += self.engine.settle(session.draft)
-        self.engine.predraft([s.draft for s in sessions])
+        self.engine.predraft([s.draft for s in sessions], stop)
 
     def _create(self, session_id: str, request: DraftRequest) -> _Session:
         if request.spec.method == "ar":

@@ -9,6 +9,7 @@ and delegates to `DraftServer`.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 import uuid
@@ -79,6 +80,49 @@ class IdleWatch:
                 context.cancel()
 
 
+class Inbox:
+    """A stream's incoming messages, read ahead on a thread into a bounded queue: the handler pre-drafts while it
+    waits and stops as soon as the next message is there (`waiting`). Errors of the call re-raise in the handler."""
+
+    _END = object()
+
+    def __init__(self, request_iterator, bound: int = 8):
+        self._queue: queue.Queue = queue.Queue(maxsize=bound)  # the target sends <= 2 messages per step it reads
+        self._closed = threading.Event()
+        threading.Thread(target=self._read, args=(request_iterator,), name="draft-stream-inbox", daemon=True).start()
+
+    def _read(self, request_iterator) -> None:
+        try:
+            for msg in request_iterator:
+                self._put(msg)
+            self._put(self._END)
+        except Exception as exc:  # noqa: BLE001 - the call failed or was cancelled: the handler raises it
+            self._put(exc)
+
+    def _put(self, item) -> None:
+        while not self._closed.is_set():  # never blocks forever on a handler that has gone
+            try:
+                self._queue.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self):
+        while True:
+            item = self._queue.get()
+            if item is self._END:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    def waiting(self) -> bool:
+        return not self._queue.empty()
+
+    def close(self) -> None:
+        self._closed.set()
+
+
 class DraftServicer(spec_grpc.DraftServicer):
     def __init__(self, server: DraftServer, limits: InternalStreamConfig = InternalStreamConfig()):
         self.server = server
@@ -118,9 +162,10 @@ class DraftServicer(spec_grpc.DraftServicer):
         prefix = uuid.uuid4().hex + "/"
         opened: set[str] = set()
         predraft_seconds = 0.0  # pre-drafting since the last reply: reported with the next one
+        inbox = Inbox(request_iterator)
         self.idle.touch(context)
         try:
-            for msg in request_iterator:
+            for msg in inbox:
                 self.idle.touch(context)
                 start = time.perf_counter()
                 ops, bad = [], {}
@@ -156,13 +201,14 @@ class DraftServicer(spec_grpc.DraftServicer):
                 yield reply
                 # Sent: the target verifies these trees now, and the draft pre-drafts their likeliest outcomes.
                 start = time.perf_counter()
-                self.server.predraft([sid for sid, step in steps.items() if step.tree is not None])
+                self.server.predraft([sid for sid, step in steps.items() if step.tree is not None], inbox.waiting)
                 predraft_seconds = time.perf_counter() - start
         except grpc.RpcError:
             pass  # the caller cancelled or went away (or the idle watch closed the stream): nobody to tell
         except Exception as exc:  # noqa: BLE001 - one status per failure, never a crash of the server
             set_status(context, exc, prefix)
         finally:
+            inbox.close()
             self.idle.forget(context)
             for sid in opened:
                 self.server.close(sid)

@@ -503,7 +503,8 @@ def test_predrafted_trees_change_nothing_but_the_wait(same_model):
     """Pre-drafting (the draft drafts the likeliest outcomes' next trees while the target verifies): greedy output and
     every counted statistic equal the in-process run's, for chains and trees of every method; trees are answered from
     pre-drafts (always, when the draft is the target itself: its top outcome is then always right); sampled
-    requests and requests that turn it off never are."""
+    requests and requests that turn it off never are. A miss costs little: pre-drafting stops at the next forward
+    once the outcome is there."""
     target, draft = random_pair(vocab=VOCAB, seed=9, eos=1)
     draft = target if same_model else draft
     local = SpeculativeDecoder(target, draft, static_ids=STATIC)
@@ -511,6 +512,10 @@ def test_predrafted_trees_change_nothing_but_the_wait(same_model):
     grpc_server, port = start_draft_server(draft_server, "127.0.0.1")
     pool = pool_for(f"127.0.0.1:{port}")
     remote_only = SpeculativeDecoder(target, None, static_ids=STATIC)
+    # A target slower than pre-drafting, so that no outcome interrupts it (test_predraft_stops_when_the_outcome_is_in
+    # covers the interruption).
+    step = remote_only.target.step
+    remote_only.target.step = lambda *args: (time.sleep(0.1), step(*args))[1]
     try:
         server = make_server(remote_only, pool)
         requests = []
@@ -542,3 +547,21 @@ def test_predrafted_trees_change_nothing_but_the_wait(same_model):
             assert predrafted == finished.stats["steps"] - 1 - finished.stats["misses"], request
         else:
             assert predrafted > 0, request
+
+
+def test_predraft_stops_when_the_outcome_is_in():
+    """Pre-drafting asks between forwards whether the next message is there: stopped before its trees are finished,
+    it leaves no option (the outcome is then drafted as usual), and the session's state is untouched."""
+    target, draft = random_pair(vocab=VOCAB, seed=9, eos=1)
+    engine = DraftEngine(draft)
+    policies = VocabPolicies(draft.head_weight, STATIC)
+    spec = SpecParams(method="sd", tree=TreeParams(shape="chain", num_draft_tokens=3))
+    session = engine.start([4, 50, 51, 7], SamplingParams(max_tokens=20), spec.tree, policies.get(spec), 30, 0,
+                           hypotheses=2)
+    engine.propose(session)
+    asked = []
+    engine.predraft([session], stop=lambda: asked.append(1) or len(asked) > 1)  # stop before the second level
+    assert len(asked) == 2 and session.predraft.options == []
+    assert session.predraft.in_flight is not None and session.cache.length == 4
+    engine.predraft([session])
+    assert len(session.predraft.options) == 2
