@@ -25,8 +25,10 @@ import statistics
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
+from evospec.bench.projection import from_profile
 from evospec.bench.prompts import PROMPT_SETS
 from evospec.config import METHODS, SamplingParams, SpecParams
 from evospec.engine.profile import DRAFT_PARTS, HIDDEN_PARTS, STEP_SPANS, ms_per_step
@@ -37,8 +39,19 @@ from evospec.tokenizer import chat_prompt_ids
 MODES = ("in-process", "decoupled", "overlap")
 
 
-def run_in_process(scheduler, prompts: list[list[int]], max_tokens: int, method: str) -> dict:
-    """Every prompt submitted at once to an in-process scheduler, stepped until idle."""
+def run_in_process(scheduler, prompts: list[list[int]], max_tokens: int, method: str,
+                   cpus: set[int] | None = None) -> dict:
+    """Every prompt submitted at once to an in-process scheduler, stepped until idle (on `cpus` when given)."""
+    allowed = os.sched_getaffinity(0)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    try:
+        return _run_in_process(scheduler, prompts, max_tokens, method)
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+def _run_in_process(scheduler, prompts: list[list[int]], max_tokens: int, method: str) -> dict:
     from evospec.engine.scheduler import Finished, TokensOut
     outputs = [[] for _ in prompts]
     stats = [None] * len(prompts)
@@ -98,6 +111,39 @@ def breakdown_table(cells: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def model_check(cells: dict) -> str:
+    """The step model of bench/projection.py fed with each c = 1 cell's measured terms (V, D, T from the decoupled
+    runs; P and the pre-draft hit share from the overlap runs) against the overlap runs' measured engine speed."""
+    lines = ["Step model (bench/projection.py) vs measured tokens/s, c = 1 (median over repeats; draft terms per "
+             "drafting step, s = share of steps that drafted):", "",
+             "| method | V ms | D ms | T ms | P ms | s | hit | tau | decoupled: model / measured | "
+             "overlap: model / measured |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for (method, c), modes in cells.items():
+        if c != 1 or method == "ar":
+            continue
+        rows = []
+        for dec, ovl in zip(modes["decoupled"], modes["overlap"]):
+            levels = max(1.0, mean_depth(dec["profile"]))
+            d = from_profile(dec["profile"], dec["stats"], levels)
+            o = from_profile(ovl["profile"], ovl["stats"], levels)
+            model = replace(d, predraft=o.predraft, hit=o.hit, tau=o.tau)
+            measured = {name: tokens(run) / run["wall"] for name, run in (("dec", dec), ("ovl", ovl))}
+            rows.append((d, o, d.tokens_per_s(d.decoupled_ms()), measured["dec"],
+                         model.tokens_per_s(model.overlap_ms()), measured["ovl"]))
+        med = statistics.median
+        d = rows[len(rows) // 2][0]
+        o = rows[len(rows) // 2][1]
+        lines.append(f"| {method} | {d.verify:.1f} | {d.draft:.1f} | {d.transport:.1f} | {o.predraft:.1f} | "
+                     f"{d.drafting:.2f} | {o.hit:.0%} | {d.tau:.2f} | {med(r[2] for r in rows):.1f} / {med(r[3] for r in rows):.1f} | "
+                     f"{med(r[4] for r in rows):.1f} / {med(r[5] for r in rows):.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def mean_depth(profile: dict) -> float:
+    drafting = {int(k): n for k, n in profile.get("depths", {}).items() if int(k) > 0}
+    return sum(k * n for k, n in drafting.items()) / sum(drafting.values()) if drafting else 0.0
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -129,6 +175,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--methods", nargs="+", default=["sd", "frspec", "evospec"], choices=METHODS)
     ap.add_argument("--breakdown", action="store_true", help="print ms per engine step by span")
+    ap.add_argument("--in-process-threads", type=int, default=os.cpu_count(),
+                    help="torch threads of the in-process run (default: every core)")
+    ap.add_argument("--in-process-cpus", type=int, nargs="+", help="pin the in-process run to these CPUs")
+    ap.add_argument("--draft-cpus", type=int, nargs="+", help="pin the draft replica to these CPUs")
+    ap.add_argument("--target-cpus", type=int, nargs="+", help="pin the target replica to these CPUs")
     ap.add_argument("--draft-threads", type=int, help="torch threads of the draft replica (default: the config's)")
     ap.add_argument("--target-threads", type=int, help="torch threads of the target replica (default: the config's)")
     ap.add_argument("--hypotheses", type=int, help="pre-drafted outcomes per tree (default: the config's "
@@ -147,18 +198,17 @@ def main(argv: list[str] | None = None) -> None:
     cfg = AppConfig.from_yaml(args.config or config_for_pair(args.pair)).model_copy(
         update={"grpc_port": 0, "http_port": 0})
     for role in ("draft", "target"):
-        threads = getattr(args, f"{role}_threads")
-        if threads is not None:
-            side = getattr(cfg, role)
-            side = side.model_copy(update={"model": side.model.model_copy(update={"torch_threads": threads})})
-            cfg = cfg.model_copy(update={role: side})
+        update = {"torch_threads": getattr(args, f"{role}_threads"), "cpu_affinity": getattr(args, f"{role}_cpus")}
+        update = {k: tuple(v) if isinstance(v, list) else v for k, v in update.items() if v is not None}
+        side = getattr(cfg, role)
+        side = side.model_copy(update={"model": side.model.model_copy(update=update)})
+        cfg = cfg.model_copy(update={role: side})
     if args.hypotheses is not None:
         cfg = cfg.model_copy(update={"draft": cfg.draft.model_copy(update={"predraft_hypotheses": args.hypotheses})})
     if args.full_trees:
         scheduler_cfg = cfg.target.scheduler.model_copy(update={"adaptive": False})
         cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"scheduler": scheduler_cfg})})
-    threads = os.cpu_count() or 1
-    apply_torch_threads(threads)  # in process: every core for both models (the service's replicas have their own)
+    apply_torch_threads(args.in_process_threads)  # this process' models (the service's replicas have their own)
     pair = load_pair(cfg.draft.model, cfg.target.model, static_vocab_path=cfg.target.static_vocab,
                      max_model_len=cfg.target.max_model_len, cooc_path=cfg.draft.cooc)
     scheduler = Scheduler(pair.decoder, cfg.target.scheduler)
@@ -176,7 +226,8 @@ def main(argv: list[str] | None = None) -> None:
                     runs = {mode: [] for mode in MODES}
                     for chunk in chunks:
                         prompts = [chat_prompt_ids(pair.tokenizer, conv) for conv in chunk]
-                        runs["in-process"].append(run_in_process(scheduler, prompts, args.max_tokens, method))
+                        runs["in-process"].append(run_in_process(scheduler, prompts, args.max_tokens, method,
+                                                                 set(args.in_process_cpus or ())))
                         for mode in MODES[1:]:
                             runs[mode].append(run_service(client, target, chunk, args.max_tokens, method,
                                                           predraft=mode == "overlap"))
@@ -226,6 +277,7 @@ def write_report(args, cells: dict, mismatches: int) -> None:
                      f"{med(tok_s['overlap']):.1f} | {cell} | {med(f['overlap_ratio'] for f in figures):.2f} | "
                      f"{med(f['predraft_use'] for f in figures):.0%} |")
     md = "\n".join(lines) + f"\n\nGreedy outputs that differ from in-process: {mismatches}.\n"
+    md += "\n" + model_check(cells)
     if args.breakdown:
         md += "\nms per engine step by span (median over repeats):\n\n" + breakdown_table(
             {f"{mode} {method} c={c}": runs for (method, c), modes in cells.items() for mode, runs in modes.items()})
@@ -234,7 +286,9 @@ def write_report(args, cells: dict, mismatches: int) -> None:
         {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rows": rows,
          "mismatches": mismatches,
          "profiles": {f"{mode} {m} c={c}": [r["profile"] for r in runs] for (m, c), modes in cells.items()
-                      for mode, runs in modes.items()}}, indent=1))
+                      for mode, runs in modes.items()},
+        "stats": {f"{mode} {m} c={c}": [r["stats"] for r in runs] for (m, c), modes in cells.items()
+                  for mode, runs in modes.items()}}, indent=1))
     (args.out / "bench_decoupled.md").write_text(md)
     plot(rows, args.out / "decoupled.png")
     print(md)

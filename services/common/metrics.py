@@ -61,6 +61,8 @@ class ServiceMetrics:
                                       "without a tree because their draft failed or was catching up.", tag_keys=tags)
         self.draft_resumes = Counter("evospec_draft_resumes", description="Times speculation resumed on a "
                                      "(re)connected draft replica after a fallback.", tag_keys=tags)
+        self.predrafted_steps = Counter("evospec_predrafted_steps", description="Draft trees answered from a "
+                                        "pre-draft made while the target verified.", tag_keys=tags)
         self.generated_tokens = Counter("generation_tokens", description="Generated tokens.", tag_keys=tags)
         self.requests = Counter("request_success", description="Finished requests by finish reason.",
                                 tag_keys=(*tags, "finished_reason"))
@@ -99,6 +101,8 @@ class ServiceMetrics:
             self.fallback_steps.inc(stats.fallback_steps, t)
         if stats.draft_resumes:
             self.draft_resumes.inc(stats.draft_resumes, t)
+        if stats.predrafted_steps:
+            self.predrafted_steps.inc(stats.predrafted_steps, t)
         if stats.generated_tokens:
             self.generated_tokens.inc(stats.generated_tokens, t)
         self.requests.inc(1, {**t, "finished_reason": finish_reason})

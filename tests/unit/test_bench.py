@@ -118,3 +118,23 @@ def test_bench_adapt_stream_on_the_tiny_pair_is_lossless_and_the_adapters_change
                                "rss_samples": [(0.0, 100.0)], "peak_rss_mb": 100.0, "wall_seconds": 1.0,
                                "learner": None} for arm, outs in outputs.items()}, n=6, w=2)
     assert summary["compared_requests"] == 6 and summary["output_mismatches"] == []
+
+
+def test_step_model_terms_from_a_profile_and_its_shapes():
+    """bench/projection.py: the terms read from a step profile, and what each shape's step costs."""
+    from evospec.bench.projection import StepCosts, from_profile, h200_projection
+    profile = {"steps": 10, "depths": {"0": 2, "4": 8},
+               "seconds": {"verify": 3.0, "draft": 1.2, "draft.remote_compute": 1.0, "draft.remote_predraft": 0.8,
+                           "admit": 0.1}}
+    stats = [{"generated_tokens": 25, "predrafted_steps": 4}]
+    c = from_profile(profile, stats, levels=4)
+    assert c.verify == pytest.approx(300) and c.drafting == pytest.approx(0.8)
+    assert c.draft == pytest.approx(125) and c.transport == pytest.approx(25)  # per drafting step
+    assert c.predraft == pytest.approx(100) and c.hit == pytest.approx(0.5) and c.tau == pytest.approx(2.5)
+    assert c.decoupled_ms() == pytest.approx(300 + 10 + 0.8 * 150)
+    costs = StepCosts(verify=10, draft=6, transport=1, predraft=8, draft_forward=2, tau=2, hit=1.0)
+    assert costs.overlap_ms() == pytest.approx(11)  # every tree ready: the verify and the round trip
+    assert replace(costs, hit=0.0).overlap_ms() == pytest.approx(costs.decoupled_ms() + 2)  # plus one stopped forward
+    assert replace(costs, predraft=15).overlap_ms() == pytest.approx(16)  # a pre-draft longer than the verify shows
+    rows = {r["shape"]: r for r in h200_projection()}
+    assert rows["decoupled, chain 4"]["vs_colocated"] < 1 < rows["overlap h=0.7, chain 4"]["vs_colocated"]

@@ -21,7 +21,7 @@ def test_spec_decode_counters_follow_stats():
     stats.record_step(drafted=4, accepted=3)
     stats.record_step(drafted=4, accepted=1)
     stats.generated_tokens, stats.misses, stats.verified_positions, stats.buffer_updates = 6, 1, 6, 2
-    stats.fallback_steps, stats.draft_resumes = 3, 1
+    stats.fallback_steps, stats.draft_resumes, stats.predrafted_steps = 3, 1, 1
     stats.buffer_hits_statistical, stats.buffer_hits_target = 2, 1
     m.record(stats, "evospec", ttft_s=0.05, e2e_s=0.30, finish_reason="length", dynamic_size=256)
     t = {"method": "evospec"}
@@ -34,6 +34,7 @@ def test_spec_decode_counters_follow_stats():
     assert m.buffer_size.values == [(256, t)]
     assert m.buffer_hits.values == [(2, {**t, "source": "statistical"}), (1, {**t, "source": "target"})]
     assert m.fallback_steps.values == [(3, t)] and m.draft_resumes.values == [(1, t)]
+    assert m.predrafted_steps.values == [(1, t)]
     assert m.requests.values == [(1, {**t, "finished_reason": "length"})]
     # τ as vLLM defines it, from the counters: 1 + accepted / drafts
     assert 1 + m.num_accepted_tokens.values[0][0] / m.num_drafts.values[0][0] == stats.tau
