@@ -73,11 +73,15 @@ class PublicApiConfig(BaseModel):
     (prefer the variable: config files travel). With any token set, Generate, GenerateOnce and Info need the metadata
     `authorization: Bearer <token>` (UNAUTHENTICATED otherwise); Health stays open for load balancers.
     max_prompt_bytes: None = derived from the context, max_model_len x the longest token in bytes: a prompt longer than
-    that cannot fit in the context, so it is refused before it is tokenized."""
+    that cannot fit in the context, so it is refused before it is tokenized.
+    stream_interval: tokens per streamed message after the first (vLLM's --stream-interval): 1 sends every step's
+    tokens at once; more sends fewer, larger messages, which saves the proxy's per-message work (docs/decoupled.md).
+    Tokens already waiting are always sent together, and the first token and the last never wait."""
     model_config = ConfigDict(frozen=True, extra="forbid")
     auth_tokens: tuple[str, ...] = Field((), repr=False)
     auth_tokens_env: str = "EVOSPEC_API_TOKENS"
     max_prompt_bytes: int | None = Field(None, ge=1)
+    stream_interval: int = Field(1, ge=1, le=1024)
 
 
 class DraftServiceConfig(BaseModel):

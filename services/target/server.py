@@ -121,6 +121,7 @@ class TargetServer:
     metrics: MetricsSink | None = None
     api_tokens: tuple[str, ...] = ()  # bearer tokens of the public API (none = no authentication)
     max_prompt_bytes: int | None = None  # text over this cannot fit the context: refused before tokenization
+    stream_interval: int = 1  # tokens per streamed message after the first (PublicApiConfig.stream_interval)
     active: dict[str, float] = field(default_factory=dict)  # request key -> start time
 
     @classmethod
@@ -137,7 +138,7 @@ class TargetServer:
         tokenizer = load_tokenizer(str(folder))
         max_prompt_bytes = cfg.public.max_prompt_bytes or decoder.max_model_len * max_token_bytes(tokenizer)
         return cls(decoder, tokenizer, drafts, scheduler, cfg.default_spec, sha, str(Path(folder)), metrics,
-                   api_tokens(cfg.public), max_prompt_bytes)
+                   api_tokens(cfg.public), max_prompt_bytes, cfg.public.stream_interval)
 
     def authorize(self, authorization: str | None) -> None:
         """UnauthenticatedError unless the API is open or `authorization` is 'Bearer <one of the tokens>'."""
@@ -223,12 +224,22 @@ class TargetServer:
             handle = self.scheduler.submit(prompt_ids, request.sampling, request.spec,
                                            lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
             ttft = None
+            pending: list[int] = []  # tokens held back by stream_interval
             while True:
                 event = await events.get()
+                while isinstance(event, TokensOut) and not events.empty():  # sent together: one message
+                    pending += event.token_ids
+                    event = events.get_nowait()
                 if isinstance(event, TokensOut):
-                    ttft = ttft if ttft is not None else time.perf_counter() - start
-                    yield TokensEvent(request_id, event.token_ids, self.tokenizer.decode(event.token_ids))
+                    pending += event.token_ids
+                    if ttft is None or len(pending) >= self.stream_interval:
+                        ttft = ttft if ttft is not None else time.perf_counter() - start
+                        yield TokensEvent(request_id, pending, self.tokenizer.decode(pending))
+                        pending = []
                     continue
+                if pending:  # the last tokens never wait
+                    yield TokensEvent(request_id, pending, self.tokenizer.decode(pending))
+                    pending = []
                 handle = None  # finished or failed: nothing left to cancel
                 if isinstance(event, Failed):
                     raise event.error

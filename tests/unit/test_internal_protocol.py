@@ -565,3 +565,27 @@ def test_predraft_stops_when_the_outcome_is_in():
     assert session.predraft.in_flight is not None and session.cache.length == 4
     engine.predraft([session])
     assert len(session.predraft.options) == 2
+
+
+@pytest.mark.parametrize("interval", [1, 5])
+def test_stream_interval_groups_tokens_and_never_holds_the_first_or_the_last(setup, interval):
+    """PublicApiConfig.stream_interval: after the first message (sent at once), messages carry at least `interval`
+    tokens, except the last; the tokens are the engine's, in order."""
+    local, remote_only, pool, draft_server, _ = setup
+    server = make_server(remote_only, pool)
+    server.stream_interval = interval
+    sampling = SamplingParams(max_tokens=23, ignore_eos=True)
+    spec = SpecParams(method="evospec", vocab={"static_size": 32, "dynamic_size": 8})
+
+    async def messages():
+        return [e async for e in server.generate(GenerateRequest(Prompt(token_ids=[4, 50, 51, 7]), sampling, spec))]
+    events = asyncio.run(messages())
+    server.close()
+    chunks = [e.token_ids for e in events if not isinstance(e, FinishedEvent)]
+    expected = local.generate([4, 50, 51, 7], sampling, spec)
+    list(expected)
+    assert [t for c in chunks for t in c] == expected.output_ids
+    assert all(len(c) >= interval for c in chunks[1:-1]) and isinstance(events[-1], FinishedEvent)
+    if interval > 1:
+        assert len(chunks) < expected.stats.steps  # fewer messages than steps
+    wait_closed(draft_server)
