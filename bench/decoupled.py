@@ -27,6 +27,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from evospec.bench.projection import from_profile
 from evospec.bench.prompts import PROMPT_SETS
@@ -35,6 +36,9 @@ from evospec.engine.profile import DRAFT_PARTS, HIDDEN_PARTS, STEP_SPANS, ms_per
 from evospec.loading import apply_torch_threads, load_pair
 from evospec.modelstore.catalog import pair_names
 from evospec.tokenizer import chat_prompt_ids
+
+if TYPE_CHECKING:
+    from evospec.orchestration.config import AppConfig
 
 MODES = ("in-process", "decoupled", "overlap")
 
@@ -165,6 +169,29 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def service_config(args) -> "AppConfig":
+    """The pair's service config with the command line's overrides (threads, cores, hypotheses, stream interval,
+    full trees); free ports."""
+    from evospec.orchestration.config import AppConfig, config_for_pair
+    cfg = AppConfig.from_yaml(args.config or config_for_pair(args.pair)).model_copy(
+        update={"grpc_port": 0, "http_port": 0})
+    for role in ("draft", "target"):
+        update = {"torch_threads": getattr(args, f"{role}_threads"), "cpu_affinity": getattr(args, f"{role}_cpus")}
+        update = {k: tuple(v) if isinstance(v, list) else v for k, v in update.items() if v is not None}
+        side = getattr(cfg, role)
+        side = side.model_copy(update={"model": side.model.model_copy(update=update)})
+        cfg = cfg.model_copy(update={role: side})
+    if args.hypotheses is not None:
+        cfg = cfg.model_copy(update={"draft": cfg.draft.model_copy(update={"predraft_hypotheses": args.hypotheses})})
+    if args.stream_interval is not None:
+        public = cfg.target.public.model_copy(update={"stream_interval": args.stream_interval})
+        cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"public": public})})
+    if args.full_trees:
+        scheduler_cfg = cfg.target.scheduler.model_copy(update={"adaptive": False})
+        cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"scheduler": scheduler_cfg})})
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", default="tiny", choices=pair_names())
@@ -192,26 +219,10 @@ def main(argv: list[str] | None = None) -> None:
     from ray import serve
 
     from evospec.engine.scheduler import Scheduler
-    from evospec.orchestration.config import AppConfig, config_for_pair
     from evospec.orchestration.local import local_service
     from evospec_client import EvoSpecClient
 
-    cfg = AppConfig.from_yaml(args.config or config_for_pair(args.pair)).model_copy(
-        update={"grpc_port": 0, "http_port": 0})
-    for role in ("draft", "target"):
-        update = {"torch_threads": getattr(args, f"{role}_threads"), "cpu_affinity": getattr(args, f"{role}_cpus")}
-        update = {k: tuple(v) if isinstance(v, list) else v for k, v in update.items() if v is not None}
-        side = getattr(cfg, role)
-        side = side.model_copy(update={"model": side.model.model_copy(update=update)})
-        cfg = cfg.model_copy(update={role: side})
-    if args.hypotheses is not None:
-        cfg = cfg.model_copy(update={"draft": cfg.draft.model_copy(update={"predraft_hypotheses": args.hypotheses})})
-    if args.stream_interval is not None:
-        public = cfg.target.public.model_copy(update={"stream_interval": args.stream_interval})
-        cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"public": public})})
-    if args.full_trees:
-        scheduler_cfg = cfg.target.scheduler.model_copy(update={"adaptive": False})
-        cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"scheduler": scheduler_cfg})})
+    cfg = service_config(args)
     apply_torch_threads(args.in_process_threads)  # this process' models (the service's replicas have their own)
     pair = load_pair(cfg.draft.model, cfg.target.model, static_vocab_path=cfg.target.static_vocab,
                      max_model_len=cfg.target.max_model_len, cooc_path=cfg.draft.cooc)
