@@ -92,7 +92,7 @@ def run_service(client, target, convs: list[list[dict]], max_tokens: int, method
 
 def overlap_figures(profile: dict, stats: list[dict]) -> dict:
     """Overlap ratio = draft compute done while the target verified (feedback commits, pre-drafting) / all draft
-    compute; predraft use = trees answered from a pre-draft / steps that drafted."""
+    compute; predraft use = trees answered from a pre-draft / the requests' steps (prefill and depth-0 steps too)."""
     s = profile["seconds"]
     hidden = sum(s.get(k, 0.0) for k in HIDDEN_PARTS)
     total = hidden + s.get("draft.remote_compute", 0.0)
@@ -118,8 +118,8 @@ def breakdown_table(cells: dict) -> str:
 def model_check(cells: dict) -> str:
     """The step model of bench/projection.py fed with each c = 1 cell's measured terms (V, D, T from the decoupled
     runs; P and the pre-draft hit share from the overlap runs) against the overlap runs' measured engine speed."""
-    lines = ["Step model (bench/projection.py) vs measured tokens/s, c = 1 (median over repeats; draft terms per "
-             "drafting step, s = share of steps that drafted):", "",
+    lines = ["Step model (bench/projection.py) vs measured tokens/s, c = 1 (tokens/s: median over repeats; the terms "
+             "shown: one repeat's; draft terms per drafting step, s = share of steps that drafted):", "",
              "| method | V ms | D ms | T ms | P ms | s | hit | tau | decoupled: model / measured | "
              "overlap: model / measured |", "|---|---|---|---|---|---|---|---|---|---|"]
     for (method, c), modes in cells.items():

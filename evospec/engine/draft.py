@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -153,7 +153,7 @@ class DraftEngine:
 
     def expand(self, builders: list["TreeBuilder"], stop: Callable[[], bool] | None = None) -> list[DraftTree] | None:
         """Grow started trees level by level, one packed forward per level over all of them (None: `stop` said so
-        before a level)."""
+        before a level; with `stop`, pre-drafting, the head time is not the sessions')."""
         while True:
             level = [(b, seg) for b in builders if (seg := b.frontier_segment()) is not None]
             if not level:
@@ -165,16 +165,17 @@ class DraftEngine:
             for _, seg in level:
                 rows.append(hidden[offset:offset + seg.num_tokens])
                 offset += seg.num_tokens
-            for (b, _), logits in zip(level, self.heads([b for b, _ in level], rows)):
+            for (b, _), logits in zip(level, self.heads([b for b, _ in level], rows, account=stop is None)):
                 b.on_frontier(logits)
 
     @staticmethod
-    def heads(builders: list["TreeBuilder"], hiddens: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Draft logits over each session's A (batched_logits), its time shared out as the sessions' head time."""
+    def heads(builders: list["TreeBuilder"], hiddens: list[torch.Tensor], account: bool = True) -> list[torch.Tensor]:
+        """Draft logits over each session's A (batched_logits), its time shared out as the sessions' head time
+        (`account`: off for pre-drafting, which runs off the critical path)."""
         start = time.perf_counter()
         logits = batched_logits(hiddens, [b.session.vocab.active for b in builders])
         share = (time.perf_counter() - start) / max(1, len(builders))
-        for b in builders:
+        for b in builders if account else ():
             b.session.head_seconds += share
         return logits
 
@@ -208,12 +209,15 @@ class DraftEngine:
         """While the target verifies: next trees for the likeliest outcomes of each session's tree in flight
         (evospec/engine/predraft.py), with one packed forward per level over all of them. `stop` is asked between
         forwards: once the outcome is there, unfinished work is dropped (a miss then costs at most one forward)."""
-        with self._step_lock:
-            self._predraft([s for s in sessions if s.predraft is not None and s.predraft.in_flight is not None],
-                           stop)
+        sessions = [s for s in sessions if s.predraft is not None and s.predraft.in_flight is not None]
+        if sessions:
+            with self._step_lock:
+                self._predraft(sessions, stop)
 
     @torch.inference_mode()
     def _predraft(self, sessions: list[DraftSession], stop: Callable[[], bool]) -> None:
+        if stop():  # the outcome is already in: nothing to overlap with
+            return
         starts = self._forward_last_level(sessions)
         if stop():
             return
@@ -237,7 +241,7 @@ class DraftEngine:
             return
         hidden = self.model.forward_packed(segments)
         builders = [h.builder for _, h, _, _ in pending]
-        for (session, h, context, position), logits in zip(pending, self.heads(builders, hidden.split(1))):
+        for (session, h, context, position), logits in zip(pending, self.heads(builders, hidden.split(1), False)):
             h.builder.start(logits[0], prefix_len=session.cache.length, root_position=position,
                             write_from=h.bonus_slot + 1, context_slots=[*context, h.bonus_slot])
         trees = self.expand(builders, stop)
@@ -248,8 +252,9 @@ class DraftEngine:
             session.predraft.options.append(h)
 
     def _forward_last_level(self, sessions: list[DraftSession]) -> list[tuple[DraftSession, int]]:
-        """Forward each tree in flight's nodes that building it never forwarded (its last level), so that every
-        node has its next-token alternatives and a KV slot (a real outcome that accepts one commits it from there).
+        """Forward each tree in flight's nodes that building it never forwarded (those it never expanded: its last
+        level, and nodes the best-first expansion passed over), so that every node has its next-token alternatives
+        and a KV slot (a real outcome that accepts one commits it from there).
         Returns each session that has room to pre-draft, with the first slot for its hypotheses."""
         starts, segments, owners = [], [], []
         for session in sessions:
@@ -275,9 +280,10 @@ class DraftEngine:
         if segments:
             hidden = self.model.forward_packed(segments)
             rows = hidden.split([len(u) for _, u, _ in owners])
-            for (tree, unforwarded, region), logits in zip(owners, self.heads([t for t, _, _ in owners], rows)):
+            for (tree, unforwarded, region), logits in zip(owners, self.heads([t for t, _, _ in owners], rows,
+                                                                              False)):
                 for row, node in enumerate(unforwarded):
-                    tree.alternatives[node] = tree._best(logits[row], tree.num_alternatives)
+                    tree.alternatives[node] = tree.best(logits[row], tree.num_alternatives)
                     tree.slot_of[node] = region + row  # the session's forwarded_slot: the same dict
         return starts
 
@@ -365,7 +371,7 @@ class TreeBuilder:
         self.session.forwarded_slot = self.slot_of
 
     def start(self, root_logits: torch.Tensor, prefix_len: int, root_position: int, write_from: int,
-              context_slots: list[int] = ()) -> None:
+              context_slots: Sequence[int] = ()) -> None:
         """The root's children from root_logits [|A|] (the output at `root_position`), and where the tree sits."""
         self.prefix_len, self.root_position, self.write_from = prefix_len, root_position, write_from
         self.context_slots = list(context_slots)
@@ -411,7 +417,7 @@ class TreeBuilder:
         if not self.session.sampling.greedy:
             self.draft_probs[parent] = q
         if self.num_alternatives:
-            self.alternatives[parent] = self._best(logits, self.branching + self.num_alternatives)
+            self.alternatives[parent] = self.best(logits, self.branching + self.num_alternatives)
         parent_score = 0.0 if parent < 0 else self.nodes[parent].score
         parent_depth = 0 if parent < 0 else self.nodes[parent].depth
         new = []
@@ -432,7 +438,7 @@ class TreeBuilder:
             slots = sample_without_replacement(q, k, session.generator)
         return slots.tolist(), q[slots].log().tolist(), q
 
-    def _best(self, logits: torch.Tensor, n: int) -> list[tuple[int, float]]:
+    def best(self, logits: torch.Tensor, n: int) -> list[tuple[int, float]]:
         """The n most likely tokens (ids) under logits [|A|] with their log q."""
         top = logits.topk(min(n, int(torch.isfinite(logits).sum())))
         logq = top.values - logits.logsumexp(-1)

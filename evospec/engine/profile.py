@@ -8,6 +8,7 @@ Spans cost two `perf_counter` calls each, so the profile is always on.
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,21 +22,26 @@ HIDDEN_PARTS = ("draft.remote_feedback", "draft.remote_predraft")
 
 @dataclass
 class StepProfile:
+    """Written by the scheduler's thread, read and reset from others (a Serve method): under a lock."""
     steps: int = 0
     seconds: collections.Counter = field(default_factory=collections.Counter)
     depths: collections.Counter = field(default_factory=collections.Counter)  # steps by the draft depth chosen
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def reset(self) -> None:
-        self.steps = 0
-        self.seconds = collections.Counter()
-        self.depths = collections.Counter()
+        with self._lock:
+            self.steps = 0
+            self.seconds = collections.Counter()
+            self.depths = collections.Counter()
 
     def count_step(self, depth: int) -> None:
-        self.steps += 1
-        self.depths[depth] += 1
+        with self._lock:
+            self.steps += 1
+            self.depths[depth] += 1
 
     def add(self, span: str, seconds: float) -> None:
-        self.seconds[span] += seconds
+        with self._lock:
+            self.seconds[span] += seconds
 
     @contextmanager
     def span(self, name: str):
@@ -43,10 +49,11 @@ class StepProfile:
         try:
             yield
         finally:
-            self.seconds[name] += time.perf_counter() - start
+            self.add(name, time.perf_counter() - start)
 
     def as_dict(self) -> dict:
-        return {"steps": self.steps, "seconds": dict(self.seconds), "depths": dict(self.depths)}
+        with self._lock:
+            return {"steps": self.steps, "seconds": dict(self.seconds), "depths": dict(self.depths)}
 
 
 def ms_per_step(profile: dict) -> dict[str, float]:

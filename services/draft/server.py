@@ -6,6 +6,7 @@ applies every session's ops and drafts all their trees with one packed forward p
 """
 from __future__ import annotations
 
+import logging
 import math
 import tempfile
 import threading
@@ -27,6 +28,8 @@ from evospec.verify import VerifyResult
 from evospec.vocab.dynamic import SlotChange
 from evospec.vocab.registry import VocabPolicies
 from evospec.vocab.retrieval import TargetFeedback
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -67,6 +70,7 @@ class _Session:
     kv_tokens: int  # its cache's slots, counted against the server's max_kv_tokens
     update_seconds: float = 0.0
     pending_changes: list[SlotChange] = field(default_factory=list)  # applied while pre-drafting; in the next reply
+    failure: Exception | None = None  # a deferred buffer update that failed while pre-drafting: ends the session
 
 
 class DraftServer:
@@ -158,7 +162,7 @@ class DraftServer:
 
     def open(self, session_id: str, request: DraftRequest) -> DraftReply:
         """Start a session (prefill happens in the first propose) and draft its first tree."""
-        session = self._create(session_id, request)
+        session = self._create(session_id, request, predraft=False)  # a per-generation stream never pre-drafts
         return self._reply(session, session.draft.vocab.initial_changes)
 
     def step(self, session_id: str, result: VerifyResult, candidates: dict[int, float],
@@ -196,16 +200,23 @@ class DraftServer:
                 self.close(sid)
                 out.setdefault(sid, SessionStep()).error = exc
                 sessions[sid] = None
-        drafting = [sid for sid, s in sessions.items() if s is not None and live[sid][0] > 0]
-        for sid in drafting:
-            session = sessions[sid]
-            tree = self.engine.take_predrafted(session.draft, clip_depth(session.draft.tree_params, live[sid][0]))
+        drafting = []
+        for sid, session in sessions.items():
+            if session is None or live[sid][0] == 0:
+                continue
             entry = out.setdefault(sid, SessionStep())
+            try:
+                tree = self.engine.take_predrafted(session.draft, clip_depth(session.draft.tree_params, live[sid][0]))
+                if tree is None:  # nothing pre-drafted for this outcome: a deferred buffer update goes first
+                    entry.changes += self._settle(session)
+            except Exception as exc:  # noqa: BLE001 - this session only
+                self.close(sid)
+                entry.error, sessions[sid] = exc, None
+                continue
             if tree is not None:
                 entry.tree, entry.predrafted = tree, True
-            else:  # nothing pre-drafted for this outcome: a deferred buffer update goes before the new tree
-                entry.changes += self.engine.settle(session.draft)
-        drafting = [sid for sid in drafting if out[sid].tree is None]
+            else:
+                drafting.append(sid)
         requests = [(sessions[sid].draft, clip_depth(sessions[sid].draft.tree_params, live[sid][0]))
                     for sid in drafting]
         prefills = [(s.draft, live[sid][1]) for sid, s in sessions.items() if s is not None and live[sid][1] > 0]
@@ -228,17 +239,34 @@ class DraftServer:
     def predraft(self, session_ids: list[str], stop: Callable[[], bool] = lambda: False) -> None:
         """While the target verifies the trees just sent: deferred buffer updates (their changes go with the
         sessions' next replies), then the next trees of each tree's likeliest outcomes (engine.predraft), until
-        `stop` says the next message is there."""
-        sessions = [s for sid in session_ids if (s := self._sessions.get(sid)) is not None and s.draft.predraft]
+        `stop` says a message is waiting. Optional work: a failure turns pre-drafting off for these sessions and
+        leaves them as a normal step does (a buffer update that fails fails its session at its next step, as
+        without pre-drafting)."""
+        with self._lock:
+            sessions = [s for sid in session_ids if (s := self._sessions.get(sid)) is not None and s.draft.predraft]
         for session in sessions:
-            session.pending_changes += self.engine.settle(session.draft)
-        self.engine.predraft([s.draft for s in sessions], stop)
+            try:
+                session.pending_changes += self._settle(session)
+            except Exception as exc:  # noqa: BLE001 - reported with the session's next reply
+                session.failure = exc
+        try:
+            self.engine.predraft([s.draft for s in sessions if s.failure is None], stop)
+        except Exception:  # noqa: BLE001 - optional work: never a stream's failure
+            log.warning("pre-drafting failed; it is off for these %d sessions", len(sessions), exc_info=True)
+            for session in sessions:
+                session.draft.predraft = None
 
-    def _create(self, session_id: str, request: DraftRequest) -> _Session:
+    def _settle(self, session: _Session) -> list[SlotChange]:
+        start = time.perf_counter()
+        changes = self.engine.settle(session.draft)
+        session.update_seconds += time.perf_counter() - start
+        return changes
+
+    def _create(self, session_id: str, request: DraftRequest, predraft: bool = True) -> _Session:
         if request.spec.method == "ar":
             raise InvalidRequestError("start.vocab.method", "'ar' drafts nothing; it never opens a draft session")
         self._check_sizes(request)
-        hypotheses = self.predraft_hypotheses if request.spec.predraft else 0
+        hypotheses = self.predraft_hypotheses if predraft and request.spec.predraft else 0
         tokens = DraftEngine.cache_tokens(request.max_len, request.spec.tree,
                                           hypotheses if request.sampling.greedy else 0)
         with self._lock:
@@ -298,6 +326,8 @@ class DraftServer:
 
     def _advance(self, session: _Session, result: VerifyResult, candidates: dict[int, float],
                  teacher: TeacherSignal | None = None) -> list[SlotChange]:
+        if session.failure is not None:  # its deferred buffer update failed while pre-drafting
+            raise session.failure
         start = time.perf_counter()
         self._check_outcome(session.draft, result, candidates)
         teacher = self._usable_teacher(teacher)

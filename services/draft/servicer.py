@@ -80,15 +80,33 @@ class IdleWatch:
                 context.cancel()
 
 
+class Backlog:
+    """Messages received and not yet taken, over every stream of this server: one stream's pre-drafting stops as soon
+    as any stream has a message waiting (it may be another target replica's critical path)."""
+
+    def __init__(self):
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self._count += n
+
+    def waiting(self) -> bool:
+        return self._count > 0
+
+
 class Inbox:
-    """A stream's incoming messages, read ahead on a thread into a bounded queue: the handler pre-drafts while it
-    waits and stops as soon as the next message is there (`waiting`). Errors of the call re-raise in the handler."""
+    """A stream's incoming messages, read ahead on a thread into a bounded queue, so that the handler can pre-draft
+    while it waits and stop as soon as a message is there. Errors of the call re-raise in the handler."""
 
     _END = object()
 
-    def __init__(self, request_iterator, bound: int = 8):
+    def __init__(self, request_iterator, backlog: Backlog, bound: int = 8):
         self._queue: queue.Queue = queue.Queue(maxsize=bound)  # the target sends <= 2 messages per step it reads
-        self._closed = threading.Event()
+        self._backlog = backlog
+        self._closed = False
+        self._lock = threading.Lock()  # a message is counted in the backlog exactly while it is queued
         threading.Thread(target=self._read, args=(request_iterator,), name="draft-stream-inbox", daemon=True).start()
 
     def _read(self, request_iterator) -> None:
@@ -100,27 +118,38 @@ class Inbox:
             self._put(exc)
 
     def _put(self, item) -> None:
-        while not self._closed.is_set():  # never blocks forever on a handler that has gone
-            try:
-                self._queue.put(item, timeout=0.5)
-                return
-            except queue.Full:
-                continue
+        while True:  # never blocks forever on a handler that has gone
+            with self._lock:
+                if self._closed:
+                    return
+                try:
+                    self._queue.put_nowait(item)
+                except queue.Full:
+                    pass
+                else:
+                    self._backlog.add(1)
+                    return
+            time.sleep(0.005)
 
     def __iter__(self):
         while True:
             item = self._queue.get()
+            self._backlog.add(-1)
             if item is self._END:
                 return
             if isinstance(item, Exception):
                 raise item
             yield item
 
-    def waiting(self) -> bool:
-        return not self._queue.empty()
-
     def close(self) -> None:
-        self._closed.set()
+        with self._lock:
+            self._closed = True
+            while True:
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    return
+                self._backlog.add(-1)
 
 
 class DraftServicer(spec_grpc.DraftServicer):
@@ -128,6 +157,7 @@ class DraftServicer(spec_grpc.DraftServicer):
         self.server = server
         self.limits = limits
         self.idle = IdleWatch(limits.idle_timeout_s)
+        self.backlog = Backlog()
 
     def Speculate(self, request_iterator, context):
         # A server-side key: two callers reusing a session id can never share (or close) each other's session.
@@ -162,7 +192,7 @@ class DraftServicer(spec_grpc.DraftServicer):
         prefix = uuid.uuid4().hex + "/"
         opened: set[str] = set()
         predraft_seconds = 0.0  # pre-drafting since the last reply: reported with the next one
-        inbox = Inbox(request_iterator)
+        inbox = Inbox(request_iterator, self.backlog)
         self.idle.touch(context)
         try:
             for msg in inbox:
@@ -201,7 +231,8 @@ class DraftServicer(spec_grpc.DraftServicer):
                 yield reply
                 # Sent: the target verifies these trees now, and the draft pre-drafts their likeliest outcomes.
                 start = time.perf_counter()
-                self.server.predraft([sid for sid, step in steps.items() if step.tree is not None], inbox.waiting)
+                self.server.predraft([sid for sid, step in steps.items() if step.tree is not None],
+                                     self.backlog.waiting)
                 predraft_seconds = time.perf_counter() - start
         except grpc.RpcError:
             pass  # the caller cancelled or went away (or the idle watch closed the stream): nobody to tell

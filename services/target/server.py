@@ -238,6 +238,7 @@ class TargetServer:
                         pending = []
                     continue
                 if pending:  # the last tokens never wait
+                    ttft = ttft if ttft is not None else time.perf_counter() - start
                     yield TokensEvent(request_id, pending, self.tokenizer.decode(pending))
                     pending = []
                 handle = None  # finished or failed: nothing left to cancel

@@ -560,8 +560,8 @@ def test_predraft_stops_when_the_outcome_is_in():
                            hypotheses=2)
     engine.propose(session)
     asked = []
-    engine.predraft([session], stop=lambda: asked.append(1) or len(asked) > 1)  # stop before the second level
-    assert len(asked) == 2 and session.predraft.options == []
+    engine.predraft([session], stop=lambda: asked.append(1) or len(asked) > 2)  # stop before the trees' levels
+    assert len(asked) == 3 and session.predraft.options == []
     assert session.predraft.in_flight is not None and session.cache.length == 4
     engine.predraft([session])
     assert len(session.predraft.options) == 2
@@ -589,3 +589,35 @@ def test_stream_interval_groups_tokens_and_never_holds_the_first_or_the_last(set
     if interval > 1:
         assert len(chunks) < expected.stats.steps  # fewer messages than steps
     wait_closed(draft_server)
+
+
+def test_a_failing_predraft_is_turned_off_and_never_fails_the_stream():
+    """Pre-drafting is optional work: when it raises, its sessions go on drafting as usual over the same stream (no
+    fallback to target-only, the same greedy output) and it is off for them from then on."""
+    target, draft = random_pair(vocab=VOCAB, seed=9, eos=1)
+    local = SpeculativeDecoder(target, draft, static_ids=STATIC)
+    engine = DraftEngine(draft)
+    calls = []
+
+    def broken(sessions, stop):
+        calls.append(len(sessions))
+        raise RuntimeError("pre-draft forward failed")
+    engine._predraft = broken
+    draft_server = DraftServer(engine, VocabPolicies(draft.head_weight, STATIC), "sha", predraft_hypotheses=2)
+    grpc_server, port = start_draft_server(draft_server, "127.0.0.1")
+    pool = pool_for(f"127.0.0.1:{port}")
+    try:
+        server = make_server(SpeculativeDecoder(target, None, static_ids=STATIC), pool)
+        sampling = SamplingParams(max_tokens=20, ignore_eos=True)
+        spec = SpecParams(method="evospec", vocab={"static_size": 32, "dynamic_size": 8})
+        tokens, finished = asyncio.run(collect(server, GenerateRequest(Prompt(token_ids=[4, 50, 51, 7]), sampling,
+                                                                       spec)))
+        server.close()
+    finally:
+        pool.close()
+        grpc_server.stop(grace=None)
+    expected = local.generate([4, 50, 51, 7], sampling, spec)
+    list(expected)
+    assert tokens == expected.output_ids
+    assert finished.stats["fallback_steps"] == 0 and finished.stats["predrafted_steps"] == 0
+    assert calls == [1]  # tried once, then off for that session
