@@ -164,8 +164,8 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_xticks([x + width for x in range(len(methods))], methods)
         ax.set_title(f"concurrency {c}")
         ax.set_ylabel("tokens / s (median)")
-    axes[0][0].legend()
-    fig.tight_layout()
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=len(MODES))
+    fig.tight_layout(rect=(0, 0.08, 1, 1))  # room for the legend under the bars
     fig.savefig(path, dpi=120)
 
 
