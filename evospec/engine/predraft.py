@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from evospec.config import TreeParams
+from evospec.engine.budget import tree_depth
 from evospec.tree import DraftTree
 from evospec.verify import VerifyResult
 
@@ -39,21 +40,17 @@ def forwarded_nodes(params: TreeParams) -> int:
     return (params.depth - 1) * params.branching
 
 
-def tree_levels(params: TreeParams) -> int:
-    return params.num_draft_tokens if params.shape == "chain" else params.depth
-
-
 def region_start(committed: int, params: TreeParams) -> int:
     """First slot of pre-drafting's scratch: after the tree in flight and enough spare slots that committing any
     outcome (at most D + 1 tokens) never reaches it."""
-    return committed + forwarded_nodes(params) + tree_levels(params) + 2
+    return committed + forwarded_nodes(params) + tree_depth(params) + 2
 
 
 def predraft_slots(params: TreeParams, hypotheses: int) -> int:
     """Extra KV slots a session needs to pre-draft `hypotheses` outcomes of trees of this shape."""
     if not hypotheses:
         return 0
-    return forwarded_nodes(params) + tree_levels(params) + 2 + params.max_nodes + \
+    return forwarded_nodes(params) + tree_depth(params) + 2 + params.max_nodes + \
         hypotheses * (1 + forwarded_nodes(params))
 
 
@@ -98,8 +95,6 @@ class PredraftState:
     options: list[Hypothesis] = field(default_factory=list)
     ready: Hypothesis | None = None
     deferred: tuple | None = None  # (result, feedback) of a hit outcome, for the vocabulary once its tree is sent
-    predicted: int = 0  # outcomes that had hypotheses
-    hits: int = 0  # ... and matched one
 
     def sent(self, builder: "TreeBuilder") -> None:
         self.in_flight, self.options, self.ready = builder, [], None
@@ -108,10 +103,6 @@ class PredraftState:
         """Whether the step's real outcome is one that was pre-drafted (it becomes `ready`)."""
         self.in_flight, self.ready = None, None
         options, self.options = self.options, []
-        if not options:
-            return False
-        self.predicted += 1
         accepted, bonus = list(result.accepted_nodes), result.committed_tokens[-1]
         self.ready = next((h for h in options if h.path == accepted and h.bonus == bonus), None)
-        self.hits += self.ready is not None
         return self.ready is not None
