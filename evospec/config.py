@@ -215,11 +215,13 @@ def draft_seed(seed: int) -> int:
 M = TypeVar("M", bound=BaseModel)
 
 
-def validated(model: type[M], **values) -> M:
+def validated(model: type[M], /, **values) -> M:
     """Build a config object, turning the first pydantic error into InvalidRequestError naming the field."""
     try:
         return model(**values)
     except ValidationError as e:
         err = e.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or model.__name__
-        raise InvalidRequestError(field, f"{err['msg']} (got {err.get('input')!r})") from None
+        got = repr(err.get("input"))
+        got = got if len(got) <= 200 else got[:200] + "..."  # never echo a huge input back
+        raise InvalidRequestError(field, f"{err['msg']} (got {got})") from None

@@ -25,3 +25,7 @@ class UnauthenticatedError(EvoSpecError):
 class OverloadedError(EvoSpecError):
     """Too many concurrent generations (-> RESOURCE_EXHAUSTED)."""
 
+
+
+class ShuttingDownError(OverloadedError):
+    """This replica is stopping; another one can serve the request (-> UNAVAILABLE-like: HTTP 503 Retry-After)."""

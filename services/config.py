@@ -76,12 +76,21 @@ class PublicApiConfig(BaseModel):
     that cannot fit in the context, so it is refused before it is tokenized.
     stream_interval: tokens per streamed message after the first (vLLM's --stream-interval): 1 sends every step's
     tokens at once; more sends fewer, larger messages, which saves the proxy's per-message work (docs/decoupled.md).
-    Tokens already waiting are always sent together, and the first token and the last never wait."""
+    Tokens already waiting are always sent together, and the first token and the last never wait.
+
+    The OpenAI-compatible HTTP front (docs/openai.md) uses the same tokens (header `Authorization: Bearer <token>`)
+    and limits. served_model_name: the `model` it lists and accepts (None = the target model folder's name).
+    default_max_tokens: what a request without max_tokens may generate, at most the rest of the context (every
+    running request reserves KV for its max_tokens, so "the whole context" by default would starve concurrency).
+    retry_after_s: the Retry-After of its 429 (overloaded) and 503 (shutting down) answers."""
     model_config = ConfigDict(frozen=True, extra="forbid")
     auth_tokens: tuple[str, ...] = Field((), repr=False)
     auth_tokens_env: str = "EVOSPEC_API_TOKENS"
     max_prompt_bytes: int | None = Field(None, ge=1)
     stream_interval: int = Field(1, ge=1, le=1024)
+    served_model_name: str | None = Field(None, min_length=1)
+    default_max_tokens: int = Field(1024, ge=1)
+    retry_after_s: int = Field(1, ge=1)
 
 
 class DraftServiceConfig(BaseModel):

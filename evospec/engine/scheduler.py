@@ -45,7 +45,7 @@ from evospec.engine.generate import SpeculativeDecoder, apply_stop_rules
 from evospec.engine.profile import StepProfile
 from evospec.engine.stats import SpecStats
 from evospec.engine.target import TargetSession
-from evospec.errors import EvoSpecError, OverloadedError
+from evospec.errors import EvoSpecError, OverloadedError, ShuttingDownError
 from evospec.kernels.tree import tree_depths
 from evospec.model import KVArena
 from evospec.model.qwen3 import forward_seconds
@@ -179,7 +179,7 @@ class Scheduler:
         self._check_fits(request)
         with self._lock:
             if self._stopping:
-                raise OverloadedError("the server is shutting down; retry on another replica")
+                raise ShuttingDownError("the server is shutting down; retry on another replica")
             if len(self._waiting) >= self.config.max_waiting:
                 raise OverloadedError(f"{len(self._waiting)} requests already wait for KV memory (max_waiting="
                                       f"{self.config.max_waiting}); retry later")
@@ -204,6 +204,11 @@ class Scheduler:
     def _draft_request(request: _Request) -> DraftRequest:
         return DraftRequest(request.prompt_ids, request.sampling, request.spec, request.max_len,
                             draft_seed(request.seed))
+
+    @property
+    def running(self) -> bool:
+        """The scheduler's thread runs and takes new requests."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
 
     def num_running(self) -> int:
         return len(self._running)
@@ -255,7 +260,7 @@ class Scheduler:
             leftover = [*self._running.values(), *self._waiting]
             self._waiting.clear()
         for request in leftover:
-            self._fail(request, OverloadedError("the server is shutting down; retry on another replica"))
+            self._fail(request, ShuttingDownError("the server is shutting down; retry on another replica"))
 
     def run_until_idle(self) -> None:
         """Step until nothing runs or waits (tests and benchmarks drive the scheduler without its thread)."""

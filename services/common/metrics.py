@@ -1,4 +1,8 @@
-"""Prometheus metrics through Ray's metrics API (exported by Ray's metrics agent; Ray prefixes names with `ray_`).
+"""Service metrics, recorded once per finished generation, exported two ways from one definition:
+
+- through Ray's metrics API (Ray's metrics agent on each node; Ray prefixes names with `ray_`): `ray_backend`;
+- on the Target's own HTTP port, `GET /metrics`, under vLLM's names (`vllm:spec_decode_num_drafts_total`, ...) and
+  `evospec:*` for what vLLM has no name for: `prometheus_backend`, a private prometheus_client registry.
 
 vLLM-compatible names and meanings for speculative decoding and latency, plus EvoSpec's own. See docs/metrics.md
 for each metric with a PromQL example.
@@ -19,6 +23,44 @@ STEP_BUCKETS_S = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25]
 def ray_backend():
     from ray.util import metrics
     return metrics.Counter, metrics.Histogram, metrics.Gauge
+
+
+def vllm_name(name: str) -> str:
+    """Our metric name as a vLLM dashboard reads it: `evospec_x` -> `evospec:x`, everything else -> `vllm:<name>`."""
+    return f"evospec:{name.removeprefix('evospec_')}" if name.startswith("evospec_") else f"vllm:{name}"
+
+
+class _PrometheusMetric:
+    """prometheus_client behind Ray's metric interface (`inc/observe/set(value, tags)`), under the vLLM name, with
+    constant labels (vLLM's `model_name`) on every sample."""
+
+    def __init__(self, kind, registry, constant: dict[str, str], name: str, description: str = "",
+                 tag_keys: tuple[str, ...] = (), boundaries: list[float] | None = None):
+        self.name, self.constant = vllm_name(name), constant
+        extra = {"buckets": boundaries} if boundaries is not None else {}
+        self.metric = kind(self.name, description or name, labelnames=(*constant, *tag_keys), registry=registry,
+                           **extra)
+
+    def _child(self, tags: dict | None):
+        return self.metric.labels(**self.constant, **(tags or {}))
+
+    def inc(self, value: float = 1.0, tags: dict | None = None) -> None:
+        self._child(tags).inc(value)
+
+    def observe(self, value: float, tags: dict | None = None) -> None:
+        self._child(tags).observe(value)
+
+    def set(self, value: float, tags: dict | None = None) -> None:
+        self._child(tags).set(value)
+
+
+def prometheus_backend(registry, constant: dict[str, str]):
+    """A backend for ServiceMetrics / AdaptMetrics that writes to `registry` under vLLM's names."""
+    import prometheus_client as prom
+
+    def kind(cls):
+        return lambda name, **kwargs: _PrometheusMetric(cls, registry, constant, name, **kwargs)
+    return lambda: (kind(prom.Counter), kind(prom.Histogram), kind(prom.Gauge))
 
 
 class ServiceMetrics:
@@ -63,12 +105,24 @@ class ServiceMetrics:
                                      "(re)connected draft replica after a fallback.", tag_keys=tags)
         self.predrafted_steps = Counter("evospec_predrafted_steps", description="Draft trees answered from a "
                                         "pre-draft made while the target verified.", tag_keys=tags)
+        self.itl = Histogram("inter_token_latency_seconds", description="Time between a request's streamed token "
+                             "messages (one per engine step or stream_interval).", boundaries=LATENCY_BUCKETS_S,
+                             tag_keys=tags)
+        self.running = Gauge("num_requests_running", description="Generations in the engine's running batch.")
+        self.waiting = Gauge("num_requests_waiting", description="Generations waiting for KV memory or a slot.")
+        self.prompt_tokens = Counter("prompt_tokens", description="Prompt tokens of finished requests.",
+                                     tag_keys=tags)
         self.generated_tokens = Counter("generation_tokens", description="Generated tokens.", tag_keys=tags)
         self.requests = Counter("request_success", description="Finished requests by finish reason.",
                                 tag_keys=(*tags, "finished_reason"))
 
+    def set_load(self, running: int, waiting: int) -> None:
+        """The engine's queue lengths now (set before each scrape)."""
+        self.running.set(running, {})
+        self.waiting.set(waiting, {})
+
     def record(self, stats: SpecStats, method: str, ttft_s: float, e2e_s: float, finish_reason: str,
-               dynamic_size: int = 0) -> None:
+               dynamic_size: int = 0, inter_token_s: list[float] = ()) -> None:
         t = {"method": method}
         if stats.drafted:
             self.num_drafts.inc(stats.steps, t)
@@ -82,6 +136,8 @@ class ServiceMetrics:
         if stats.generated_tokens > 1:
             self.tpot.observe((e2e_s - ttft_s) / (stats.generated_tokens - 1), t)
         self.e2e.observe(e2e_s, t)
+        for gap in inter_token_s:
+            self.itl.observe(gap, t)
         if stats.steps:
             self.draft_step.observe(stats.draft_seconds / stats.steps, t)
             self.verify_step.observe(stats.verify_seconds / stats.steps, t)
@@ -103,9 +159,33 @@ class ServiceMetrics:
             self.draft_resumes.inc(stats.draft_resumes, t)
         if stats.predrafted_steps:
             self.predrafted_steps.inc(stats.predrafted_steps, t)
+        if stats.prompt_tokens:
+            self.prompt_tokens.inc(stats.prompt_tokens, t)
         if stats.generated_tokens:
             self.generated_tokens.inc(stats.generated_tokens, t)
         self.requests.inc(1, {**t, "finished_reason": finish_reason})
+
+
+class HttpMetrics:
+    """The Target replica's `GET /metrics`: ServiceMetrics under vLLM's names in a private registry, plus what is
+    read at scrape time: the engine's running/waiting queues and the draft's adapter version."""
+
+    def __init__(self, model_name: str):
+        from prometheus_client import CollectorRegistry, Gauge, disable_created_metrics
+        disable_created_metrics()  # no `_created` series, as vLLM's /metrics
+        self.registry = CollectorRegistry()
+        self.service = ServiceMetrics(prometheus_backend(self.registry, {"model_name": model_name}))
+        self.adapter_version = Gauge("evospec:adapter_version", "Adapter version a draft replica serves with (0 = "
+                                     "the base model), read from one draft replica at scrape time.",
+                                     labelnames=("model_name", "mode"), registry=self.registry)
+        self.model_name = model_name
+
+    def render(self, running: int, waiting: int, adapt: dict | None = None) -> bytes:
+        from prometheus_client import generate_latest
+        self.service.set_load(running, waiting)
+        if adapt:
+            self.adapter_version.labels(model_name=self.model_name, mode=adapt["mode"]).set(adapt["version"])
+        return generate_latest(self.registry)
 
 
 class AdaptMetrics:

@@ -1,9 +1,14 @@
 """Target Ray Serve deployment: a thin shim that builds the transport-free TargetServer (with a pool of streams to
-the Draft deployment) and exposes its gRPC front as Serve's gRPC ingress. Serve's proxy calls methods named like
-the RPCs of evospec.v1.Generate (and grpc.health.v1.Health/Check), so those names are forwarded here.
+the Draft deployment) and exposes its two fronts on Serve's two proxies:
+
+- gRPC: Serve's gRPC proxy calls methods named like the RPCs of evospec.v1.Generate (and grpc.health.v1.Health/Check),
+  so those names are forwarded to the GrpcFront;
+- HTTP: the replica's FastAPI app (`__serve_build_asgi_app__`, built after __init__) serves the OpenAI-compatible
+  routes and /metrics of the OpenAIFront on Serve's HTTP port.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -11,10 +16,11 @@ from collections.abc import Callable
 import ray
 from ray import serve
 
-from evospec.services.common.metrics import ServiceMetrics
+from evospec.services.common.metrics import HttpMetrics, ServiceMetrics
 from evospec.services.config import DraftLinkConfig, TargetServiceConfig
 from evospec.services.target.draft_link import DraftReplicas
 from evospec.services.target.grpc_api import GrpcFront
+from evospec.services.target.openai_api import OpenAIFront, build_http_app
 from evospec.services.target.server import DraftSide, TargetServer
 
 log = logging.getLogger("ray.serve")
@@ -43,15 +49,26 @@ def serve_discovery(draft, link: DraftLinkConfig) -> Callable[[], set[str]]:
     return discover
 
 
+def served_model_name(cfg: TargetServiceConfig, model_folder: str) -> str:
+    """The `model` of the OpenAI API: the configured name, else the target folder's name."""
+    return cfg.public.served_model_name or model_folder.rstrip("/").rsplit("/", 1)[-1]
+
+
 @serve.deployment(name="Target")
+@serve.ingress()
 class TargetDeployment:
     def __init__(self, draft, config: dict):
         cfg = TargetServiceConfig(**config)
         self.pool = DraftReplicas(serve_discovery(draft, cfg.draft_link), cfg.draft_link)
         drafts = DraftSide(self.pool, model_name=lambda: draft.model.remote(),
-                           num_sessions=lambda: draft.num_sessions.remote())
-        self.server = TargetServer.from_config(cfg, drafts, ServiceMetrics())
+                           num_sessions=lambda: draft.num_sessions.remote(),
+                           adapt_stats=lambda: draft.adapt_stats.remote())
+        self.server = TargetServer.from_config(cfg, drafts)
+        model_name = served_model_name(cfg, self.server.model_name)
+        self.http_metrics = HttpMetrics(model_name)
+        self.server.metrics = (ServiceMetrics(), self.http_metrics.service)
         self.grpc = GrpcFront(self.server)
+        self.http = OpenAIFront(self.server, cfg.public, model_name, self._render_metrics)
         # Requests that arrive before a draft replica answers run target-only and resume speculation later.
         if not self.pool.wait_healthy(cfg.draft_link.replicas, cfg.draft_link.startup_wait_s):
             log.warning("target started with draft replicas %s", self.pool.describe())
@@ -66,12 +83,19 @@ class TargetDeployment:
     async def Info(self, request, grpc_context=None):
         return await self.grpc.Info(request, grpc_context)
 
-    async def __call__(self, request):
-        """Serve's HTTP proxy routes here (route_prefix /); there is no HTTP API yet (issue 18): a clear 404, not a
-        500 from a missing handler."""
-        from starlette.responses import JSONResponse
-        return JSONResponse({"error": {"message": "no HTTP API here yet: call the gRPC service evospec.v1.Generate",
-                                       "type": "not_found", "code": 404}}, status_code=404)
+    def __serve_build_asgi_app__(self):
+        """Serve's HTTP proxy routes to this app (route_prefix /)."""
+        return build_http_app(self.http)
+
+    async def _render_metrics(self) -> bytes:
+        """/metrics: this replica's counters, its queues now, and one draft replica's adapter version (skipped when
+        no draft replica answers within a second)."""
+        try:
+            adapt = await asyncio.wait_for(self.server.drafts.adapt_stats(), timeout=1.0)
+        except Exception:  # noqa: BLE001 - a draft replica starting or gone: the target's metrics still count
+            adapt = None
+        scheduler = self.server.scheduler
+        return self.http_metrics.render(scheduler.num_running(), scheduler.num_waiting(), adapt)
 
     async def Check(self, request, grpc_context=None):
         """grpc.health.v1.Health/Check, routed here by Serve's gRPC proxy."""

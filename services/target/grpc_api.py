@@ -6,12 +6,20 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import asdict, replace
 
-from evospec.config import SamplingParams, SpecParams, TreeParams, VocabParams, validated
+from evospec.config import SamplingParams, SpecParams, validated
 from evospec.errors import InvalidRequestError
 from evospec.services.common.auth import authorization_of
 from evospec.services.common.errors import set_status
 from evospec.services.target.ingress import UndecodableRequest
-from evospec.services.target.server import ChatMessage, FinishedEvent, GenerateRequest, Prompt, ServerInfo, TargetServer
+from evospec.services.target.server import (
+    ChatMessage,
+    FinishedEvent,
+    GenerateRequest,
+    Prompt,
+    ServerInfo,
+    TargetServer,
+    merged_spec,
+)
 from evospec_client.api.v1 import generate_pb2 as pb
 
 
@@ -28,24 +36,13 @@ def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
 
 def spec_from_proto(p: pb.SpecParams, defaults: SpecParams) -> SpecParams:
     """Fields the request leaves unset take the server's defaults."""
-    tree = defaults.tree.model_dump()
-    if p.tree.shape:
-        tree["shape"] = p.tree.shape
-    for name in ("num_draft_tokens", "depth", "branching", "budget"):
-        if p.tree.HasField(name):
-            tree[name] = getattr(p.tree, name)
-    vocab = defaults.vocab.model_dump()
-    for name in ("static_size", "dynamic_size"):
-        if p.HasField(name):
-            vocab[name] = getattr(p, name)
+    fields = [name for name in ("num_draft_tokens", "depth", "branching", "budget") if p.tree.HasField(name)]
+    tree = {name: getattr(p.tree, name) for name in fields} | ({"shape": p.tree.shape} if p.tree.shape else {})
+    vocab = {name: getattr(p, name) for name in ("static_size", "dynamic_size") if p.HasField(name)}
     if p.retrieval:
         vocab["retrieval"] = tuple(p.retrieval)
-    try:
-        return validated(SpecParams, method=p.method or defaults.method,
-                         tree=validated(TreeParams, **tree), vocab=validated(VocabParams, **vocab),
-                         predraft=p.predraft if p.HasField("predraft") else defaults.predraft)
-    except InvalidRequestError as e:
-        raise InvalidRequestError(f"spec.{e.field}", e.message) from None
+    return merged_spec(defaults, "spec", method=p.method or None, tree=tree, vocab=vocab,
+                       predraft=p.predraft if p.HasField("predraft") else None)
 
 
 def prompt_from_proto(req: pb.GenerateRequest) -> Prompt:

@@ -9,6 +9,7 @@ InvalidRequestError (the field to fix) and OverloadedError; nothing here imports
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
 import time
 import uuid
@@ -18,7 +19,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Protocol
 
-from evospec.config import METHODS, SamplingParams, SpecParams
+from evospec.config import METHODS, SamplingParams, SpecParams, TreeParams, VocabParams, validated
 from evospec.engine.generate import SpeculativeDecoder
 from evospec.engine.scheduler import Failed, Finished, Scheduler, TokensOut
 from evospec.engine.stats import SpecStats
@@ -28,6 +29,7 @@ from evospec.services.common.bearer import check_bearer
 from evospec.services.config import PublicApiConfig, TargetServiceConfig
 from evospec.services.target.draft_link import DraftReplicas
 from evospec.services.target.remote_draft import RemoteMuxDrafter
+from evospec.services.target.textstream import TextStream, checked_stop
 from evospec.tokenizer import chat_prompt_ids, load_tokenizer, max_token_bytes
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -55,11 +57,14 @@ class GenerateRequest:
     sampling: SamplingParams
     spec: SpecParams
     request_id: str = ""  # generated when empty
+    stop: tuple[str, ...] = ()  # stop strings (services/target/textstream.py)
 
 
 @dataclass(frozen=True)
 class TokensEvent:
-    """Tokens committed by one step (after stop rules) and their text."""
+    """Tokens committed by one step (after stop rules) and the text that became final with them: a character whose
+    bytes are not all in yet (or text that may begin a stop string) comes with a later event, so the last event
+    may carry text and no tokens."""
     request_id: str
     token_ids: list[int]
     text: str
@@ -90,6 +95,19 @@ class ServerInfo:
     max_prompt_bytes: int  # prompt text over this many bytes is refused before tokenization
 
 
+def merged_spec(defaults: SpecParams, prefix: str, method: str | None = None, tree: dict | None = None,
+                vocab: dict | None = None, predraft: bool | None = None) -> SpecParams:
+    """The request's speculation: what it sets over the server's defaults (None / missing keys = the default).
+    InvalidRequestError names the field under `prefix` (the front's name for the speculation options)."""
+    try:
+        return validated(SpecParams, method=method or defaults.method,
+                         tree=validated(TreeParams, **(defaults.tree.model_dump() | (tree or {}))),
+                         vocab=validated(VocabParams, **(defaults.vocab.model_dump() | (vocab or {}))),
+                         predraft=defaults.predraft if predraft is None else predraft)
+    except InvalidRequestError as e:
+        raise InvalidRequestError(f"{prefix}.{e.field}", e.message) from None
+
+
 def api_tokens(public: PublicApiConfig) -> tuple[str, ...]:
     """The accepted bearer tokens: the config's and those in the environment variable it names (comma-separated)."""
     from_env = [t.strip() for t in os.environ.get(public.auth_tokens_env, "").split(",")]
@@ -98,7 +116,7 @@ def api_tokens(public: PublicApiConfig) -> tuple[str, ...]:
 
 class MetricsSink(Protocol):
     def record(self, stats: SpecStats, method: str, ttft_s: float, e2e_s: float, finish_reason: str,
-               dynamic_size: int = 0) -> None: ...
+               dynamic_size: int = 0, inter_token_s: list[float] = ()) -> None: ...
 
 
 @dataclass
@@ -107,6 +125,7 @@ class DraftSide:
     pool: DraftReplicas
     model_name: Callable[[], Awaitable[str]]
     num_sessions: Callable[[], Awaitable[int]]
+    adapt_stats: Callable[[], Awaitable[dict]] | None = None  # a draft replica's AdaptStats ({} = not adapting)
 
 
 @dataclass
@@ -118,14 +137,14 @@ class TargetServer:
     default_spec: SpecParams = SpecParams()
     static_vocab_sha: str = ""
     model_name: str = ""
-    metrics: MetricsSink | None = None
+    metrics: tuple[MetricsSink, ...] = ()  # each records every finished generation (Ray's export, /metrics)
     api_tokens: tuple[str, ...] = ()  # bearer tokens of the public API (none = no authentication)
     max_prompt_bytes: int | None = None  # text over this cannot fit the context: refused before tokenization
     stream_interval: int = 1  # tokens per streamed message after the first (PublicApiConfig.stream_interval)
     active: dict[str, float] = field(default_factory=dict)  # request key -> start time
 
     @classmethod
-    def from_config(cls, cfg: TargetServiceConfig, drafts: DraftSide, metrics: MetricsSink | None = None
+    def from_config(cls, cfg: TargetServiceConfig, drafts: DraftSide, metrics: tuple[MetricsSink, ...] = ()
                     ) -> "TargetServer":
         apply_cpu_settings(cfg.model)
         model, folder = load_model(cfg.model, "target")
@@ -210,21 +229,24 @@ class TargetServer:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         """Validate and queue (raising before the first event: InvalidRequestError, OverloadedError when the
         scheduler's waiting queue is full), then stream TokensEvents and one FinishedEvent. Closing the iterator
-        early (client gone) cancels the generation; the scheduler frees it at its next step."""
+        early (client gone) cancels the generation; the scheduler frees it at its next step. A stop string ends the
+        generation at the token that completes it (finish 'stop'; the statistics are those of the steps run)."""
         start = time.perf_counter()
         request_id = request.request_id or uuid.uuid4().hex
         key = uuid.uuid4().hex  # two requests may carry the same client-chosen id
         self.active[key] = start
         handle = None
         try:
+            text = TextStream(self.tokenizer, checked_stop(request.stop))
             # Tokenizing (and the chat template) runs on a worker thread: never on the loop that streams the others.
             prompt_ids = await asyncio.to_thread(self.prompt_ids, request.prompt)
             loop = asyncio.get_running_loop()
             events: asyncio.Queue = asyncio.Queue()  # bounded by max_tokens: every event but the last has tokens
             handle = self.scheduler.submit(prompt_ids, request.sampling, request.spec,
                                            lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
-            ttft = None
+            clock = _TokenClock(start)
             pending: list[int] = []  # tokens held back by stream_interval
+            pending_text = ""
             while True:
                 event = await events.get()
                 while isinstance(event, TokensOut) and not events.empty():  # sent together: one message
@@ -232,28 +254,60 @@ class TargetServer:
                     event = events.get_nowait()
                 if isinstance(event, TokensOut):
                     pending += event.token_ids
-                    if ttft is None or len(pending) >= self.stream_interval:
-                        ttft = ttft if ttft is not None else time.perf_counter() - start
-                        yield TokensEvent(request_id, pending, self.tokenizer.decode(pending))
-                        pending = []
+                    if clock.first is not None and len(pending) < self.stream_interval:
+                        continue
+                delta = text.feed(pending)
+                pending_text += delta.text
+                if delta.token_ids:  # the first and the last tokens never wait
+                    clock.tick()
+                    yield TokensEvent(request_id, delta.token_ids, pending_text)
+                    pending, pending_text = [], ""
+                if isinstance(event, TokensOut) and not text.stopped:
                     continue
-                if pending:  # the last tokens never wait
-                    ttft = ttft if ttft is not None else time.perf_counter() - start
-                    yield TokensEvent(request_id, pending, self.tokenizer.decode(pending))
-                    pending = []
-                handle = None  # finished or failed: nothing left to cancel
                 if isinstance(event, Failed):
+                    handle = None  # failed: nothing left to cancel
                     raise event.error
-                assert isinstance(event, Finished)
-                e2e = time.perf_counter() - start
-                if self.metrics is not None:
-                    self.metrics.record(event.stats, request.spec.method, ttft or 0.0, e2e, event.finish_reason,
-                                        request.spec.vocab.dynamic_size)
-                stats = {**event.stats.as_dict(), "ttft_seconds": ttft or 0.0, "e2e_seconds": e2e,
-                         "method": request.spec.method}
-                yield FinishedEvent(request_id, event.finish_reason, stats)
+                if isinstance(event, Finished):
+                    finish_reason, stats = "stop" if text.stopped else event.finish_reason, event.stats
+                else:  # a stop string ended it: free its KV and draft session at the next step
+                    handle.cancel()
+                    finish_reason, stats = "stop", copy.deepcopy(handle.stats)
+                handle = None
+                rest = text.finish()
+                if rest:
+                    yield TokensEvent(request_id, [], rest)
+                yield self._finished(request, request_id, finish_reason, stats, clock)
                 return
         finally:
             if handle is not None:
                 handle.cancel()
             self.active.pop(key, None)
+
+    def _finished(self, request: GenerateRequest, request_id: str, finish_reason: str, stats: SpecStats,
+                  clock: "_TokenClock") -> FinishedEvent:
+        """Record the metrics of a finished generation and build its last event."""
+        e2e = time.perf_counter() - clock.start
+        ttft = clock.first if clock.first is not None else e2e
+        for sink in self.metrics:
+            sink.record(stats, request.spec.method, ttft, e2e, finish_reason, request.spec.vocab.dynamic_size,
+                        inter_token_s=clock.gaps)
+        return FinishedEvent(request_id, finish_reason, {**stats.as_dict(), "ttft_seconds": ttft, "e2e_seconds": e2e,
+                                                         "method": request.spec.method})
+
+
+@dataclass
+class _TokenClock:
+    """When a generation's token messages went out: TTFT and the gaps between messages (vLLM's inter-token
+    latency, one observation per message after the first)."""
+    start: float
+    first: float | None = None  # seconds from start to the first tokens
+    last: float = 0.0
+    gaps: list[float] = field(default_factory=list)
+
+    def tick(self) -> None:
+        now = time.perf_counter() - self.start
+        if self.first is None:
+            self.first = now
+        else:
+            self.gaps.append(now - self.last)
+        self.last = now

@@ -50,6 +50,7 @@ def test_decoupled_path_with_a_cuda_target():
     from evospec.services.target.draft_link import DraftReplicas
     from evospec.services.target.remote_draft import RemoteMuxDrafter
     from evospec.services.target.server import DraftSide, FinishedEvent, GenerateRequest, Prompt, TargetServer
+    from evospec.tokenizer import load_tokenizer
     from evospec.vocab.registry import VocabPolicies
 
     target, draft = random_pair(vocab=4096, seed=0, eos=-1, hidden=128)
@@ -63,13 +64,9 @@ def test_decoupled_path_with_a_cuda_target():
     drafter = RemoteMuxDrafter(pool, decoder.policies.layout, 4096, "sha", decoder.target.device)
     scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, adaptive=False), drafter).start()
 
-    class Ids:
-        def decode(self, ids):
-            return " ".join(map(str, ids))
-
     async def nothing():
         return 0
-    server = TargetServer(decoder, Ids(), DraftSide(pool, nothing, nothing), scheduler)
+    server = TargetServer(decoder, load_tokenizer(), DraftSide(pool, nothing, nothing), scheduler)
 
     async def run(sampling, spec):
         tokens, last = [], None

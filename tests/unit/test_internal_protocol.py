@@ -26,6 +26,7 @@ from evospec.services.target.draft_link import DraftReplicas
 from evospec.services.target.remote_draft import DraftStreamError, RemoteMuxDrafter, open_remote_drafter
 from evospec.services.target.server import DraftSide, FinishedEvent, GenerateRequest, Prompt, TargetServer
 from evospec.testing import RandomDepth, random_pair
+from evospec.tokenizer import load_tokenizer
 from evospec.vocab.registry import VocabPolicies
 
 VOCAB = 96
@@ -102,13 +103,6 @@ def test_mismatched_static_vocabulary_is_refused(setup):
     wait_closed(draft_server)
 
 
-class IdsTokenizer:
-    """Token ids as text: the random pair has no tokenizer."""
-
-    def decode(self, ids: list[int]) -> str:
-        return " ".join(map(str, ids))
-
-
 async def collect(server: TargetServer, request: GenerateRequest) -> tuple[list[int], FinishedEvent]:
     tokens, last = [], None
     async for event in server.generate(request):
@@ -128,7 +122,7 @@ def make_server(decoder: SpeculativeDecoder, pool: DraftReplicas, budget=None) -
         return 0
     scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, adaptive=False), mux_drafter(decoder, pool),
                           budget=budget).start()
-    return TargetServer(decoder, IdsTokenizer(), DraftSide(pool, model_name=nothing, num_sessions=nothing), scheduler)
+    return TargetServer(decoder, load_tokenizer(), DraftSide(pool, model_name=nothing, num_sessions=nothing), scheduler)
 
 
 @pytest.mark.parametrize("method", ["ar", "frspec", "evospec"])

@@ -1,0 +1,424 @@
+"""OpenAI-compatible HTTP front of the target server (docs/openai.md): `POST /v1/chat/completions`,
+`POST /v1/completions` (server-sent events or one JSON answer), `GET /v1/models`, `GET /health`, `GET /metrics`.
+
+Like the gRPC front, it only converts: JSON bodies -> the server's typed `GenerateRequest`, its events -> OpenAI's
+chunks, our errors -> OpenAI's error JSON with the HTTP status (400 naming the `param`, 401, 404 for an unknown
+model, 413, 429 / 503 with Retry-After, 500 with a request id only). The FastAPI app is built per Target replica
+(`build_http_app`), so Serve's HTTP proxy and the tests serve the same routes.
+
+Parameters vLLM and OpenAI accept but we cannot honour (n > 1, logprobs, penalties, tools, ...) are refused with a
+400 naming them, never silently ignored; fields we do not know are ignored, as OpenAI-compatible servers do.
+Speculation rides in the body extension `"speculation": {...}` (vLLM's way to pass extras; openai's `extra_body`).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from evospec.config import Method, Retrieval, SamplingParams, TreeShape, validated
+from evospec.errors import InvalidRequestError, OverloadedError, ShuttingDownError, UnauthenticatedError
+from evospec.services.config import PublicApiConfig
+from evospec.services.target.ingress import max_request_bytes
+from evospec.services.target.server import (
+    ChatMessage,
+    FinishedEvent,
+    GenerateRequest,
+    Prompt,
+    TargetServer,
+    TokensEvent,
+    merged_spec,
+)
+
+log = logging.getLogger("ray.serve")
+
+OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request names none (gRPC's is greedy)
+CHAT_ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
+
+
+class SpeculationOptions(BaseModel):
+    """The body extension `speculation`: any of the public SpecParams fields, flat; unset = the service default."""
+    model_config = ConfigDict(extra="forbid")
+    method: Method | None = None
+    static_size: int | None = None
+    dynamic_size: int | None = None
+    retrieval: list[Retrieval] | None = None
+    shape: TreeShape | None = None
+    num_draft_tokens: int | None = None
+    depth: int | None = None
+    branching: int | None = None
+    budget: int | None = None
+    predraft: bool | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _CommonRequest(BaseModel):
+    """What both endpoints accept. Unknown fields are ignored; the unsupported ones below must keep their
+    neutral value (checked by `refuse_unsupported`)."""
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM's extension
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # vLLM's extension (load tools send it)
+    speculation: SpeculationOptions | None = None
+    # Supported only at their neutral value:
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+
+
+class ChatRequest(_CommonRequest):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list | None = None
+    response_format: dict | None = None
+
+
+class CompletionRequest(_CommonRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+def refuse_unsupported(body: _CommonRequest) -> None:
+    """InvalidRequestError for every parameter we would otherwise have to ignore."""
+    neutral = {"n": (None, 1), "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
+               "logit_bias": (None, {}), "best_of": (None, 1), "logprobs": (None, False, 0), "top_logprobs": (None, 0),
+               "tools": (None, []), "echo": (False,), "suffix": (None,)}
+    why = {"n": "only n = 1 is supported: send n requests", "logprobs": "log-probabilities are not supported",
+           "top_logprobs": "log-probabilities are not supported", "tools": "tool calls are not supported"}
+    for name, values in neutral.items():
+        value = getattr(body, name, values[0])  # a field the endpoint does not have is neutral
+        if value not in values:
+            raise InvalidRequestError(name, why.get(name, f"is not supported; leave it unset (got {value!r})"))
+    fmt = getattr(body, "response_format", None)
+    if fmt not in (None, {"type": "text"}):
+        raise InvalidRequestError("response_format", "only {\"type\": \"text\"} is supported")
+
+
+def chat_messages(raw: list[dict[str, Any]]) -> list[ChatMessage]:
+    """OpenAI messages -> ours: content is a string or a list of text parts; 'developer' is the system role."""
+    messages = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidRequestError(f"messages[{i}].role", "is required (system, user or assistant)")
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise InvalidRequestError(f"messages[{i}].content", "only text parts are supported")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise InvalidRequestError(f"messages[{i}].content", "must be a string or a list of text parts")
+        messages.append(ChatMessage(CHAT_ROLE_ALIASES.get(m["role"], m["role"]), content))
+    return messages
+
+
+def completion_prompt(prompt: str | list) -> Prompt:
+    """One prompt: a string, or token ids; a list of several prompts is refused (one choice per request)."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise InvalidRequestError("prompt", f"has {len(prompt)} prompts; send one per request")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return Prompt(text=prompt)
+    if not prompt:
+        raise InvalidRequestError("prompt", "is empty")
+    return Prompt(token_ids=list(prompt))
+
+
+def spec_of(options: SpeculationOptions | None, server: TargetServer):
+    o = options or SpeculationOptions()
+    tree = {k: v for k in ("shape", "num_draft_tokens", "depth", "branching", "budget")
+            if (v := getattr(o, k)) is not None}
+    vocab = {k: v for k in ("static_size", "dynamic_size") if (v := getattr(o, k)) is not None}
+    if o.retrieval is not None:
+        vocab["retrieval"] = tuple(o.retrieval)
+    return merged_spec(server.default_spec, "speculation", method=o.method, tree=tree, vocab=vocab,
+                       predraft=o.predraft)
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    return () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+class OpenAIError(Exception):
+    """An answer in OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code, self.headers = status, kind, param, code, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def openai_error(exc: BaseException, request_id: str, retry_after_s: int) -> OpenAIError:
+    """Our exceptions as OpenAI errors; anything unexpected is a 500 that names only the request id (logged)."""
+    retry = {"Retry-After": str(retry_after_s)}
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return OpenAIError(400, str(exc), "invalid_request_error", exc.field)
+    if isinstance(exc, UnauthenticatedError):
+        return OpenAIError(401, "missing or invalid API key: send the header 'Authorization: Bearer <token>'",
+                           "authentication_error", code="invalid_api_key")
+    if isinstance(exc, ShuttingDownError):
+        return OpenAIError(503, str(exc), "service_unavailable", headers=retry)
+    if isinstance(exc, OverloadedError):
+        return OpenAIError(429, str(exc), "rate_limit_exceeded", headers=retry)
+    if isinstance(exc, TimeoutError):
+        return OpenAIError(504, "the generation timed out; retry", "timeout")
+    log.error("request %s failed", request_id, exc_info=exc)
+    return OpenAIError(500, f"internal error (request {request_id}); see the server log", "internal_error")
+
+
+class OpenAIFront:
+    """The OpenAI routes over a TargetServer. `render_metrics` returns the Prometheus text of this replica."""
+
+    def __init__(self, server: TargetServer, public: PublicApiConfig, model_name: str,
+                 render_metrics: Callable[[], Awaitable[bytes]] | None = None):
+        self.server, self.public, self.model_name = server, public, model_name
+        self.render_metrics = render_metrics
+
+    # ---- request parsing ------------------------------------------------------------------------------------------
+    async def _body(self, request, model: type[BaseModel]) -> BaseModel:
+        """The JSON body as `model`, within the size limit; InvalidRequestError / OpenAIError(413) otherwise."""
+        limit = max_request_bytes()
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise OpenAIError(413, f"the body is {declared} bytes; at most {limit} are accepted",
+                              "invalid_request_error")
+        data = bytearray()
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > limit:
+                raise OpenAIError(413, f"the body is over {limit} bytes", "invalid_request_error")
+        try:
+            raw = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            raise InvalidRequestError("body", "is not valid JSON") from None
+        if not isinstance(raw, dict):
+            raise InvalidRequestError("body", "must be a JSON object")
+        return validated(model, **raw)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise OpenAIError(404, f"the model {model!r} does not exist here; this server serves "
+                                   f"{self.model_name!r}", "invalid_request_error", "model", "model_not_found")
+
+    async def _generate_request(self, body: _CommonRequest, prompt: Prompt, max_tokens: int | None,
+                                request_id: str) -> tuple[GenerateRequest, int]:
+        """The typed request and its prompt length. The prompt is tokenized here (on a worker thread) so that an
+        unset max_tokens can take `default_max_tokens`, at most the rest of the context."""
+        self._check_model(body.model)
+        refuse_unsupported(body)
+        prompt_ids = await asyncio.to_thread(self.server.prompt_ids, prompt)
+        room = self.server.decoder.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise InvalidRequestError("messages" if prompt.messages else "prompt",
+                                      f"has {len(prompt_ids)} tokens; the context holds "
+                                      f"{self.server.decoder.max_model_len}: shorten it")
+        values = {"max_tokens": max_tokens or min(self.public.default_max_tokens, room),
+                  "temperature": OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+                  "ignore_eos": body.ignore_eos}
+        values |= {k: v for k in ("top_p", "top_k", "seed") if (v := getattr(body, k)) is not None}
+        sampling = validated(SamplingParams, **values)
+        if sampling.max_tokens > room:
+            raise InvalidRequestError("max_tokens", f"is {sampling.max_tokens}, but the prompt's {len(prompt_ids)} "
+                                                    f"tokens leave {room} of the {self.server.decoder.max_model_len}"
+                                                    f"-token context")
+        return GenerateRequest(Prompt(token_ids=prompt_ids), sampling, spec_of(body.speculation, self.server),
+                               request_id, stop_strings(body.stop)), len(prompt_ids)
+
+    # ---- routes ---------------------------------------------------------------------------------------------------
+    async def chat_completions(self, request):
+        async def parse(request_id: str):
+            body = await self._body(request, ChatRequest)
+            prompt = Prompt(messages=chat_messages(body.messages))
+            return body, *(await self._generate_request(body, prompt, body.max_completion_tokens or body.max_tokens,
+                                                        request_id))
+        return await self._complete(request, parse, chat=True)
+
+    async def completions(self, request):
+        async def parse(request_id: str):
+            body = await self._body(request, CompletionRequest)
+            return body, *(await self._generate_request(body, completion_prompt(body.prompt), body.max_tokens,
+                                                        request_id))
+        return await self._complete(request, parse, chat=False)
+
+    async def models(self, request):
+        try:
+            self.server.authorize(request.headers.get("authorization"))
+        except Exception as exc:  # noqa: BLE001 - mapped to its status
+            return self._error_response(openai_error(exc, "", self.public.retry_after_s))
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": 0, "owned_by": "evospec",
+            "max_model_len": self.server.decoder.max_model_len}]})
+
+    async def health(self, request):
+        """200 while this replica's engine runs (open, like vLLM's /health, for load balancers)."""
+        if not self.server.scheduler.running:
+            return JSONResponse({"status": "stopping"}, status_code=503,
+                                headers={"Retry-After": str(self.public.retry_after_s)})
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(self, request):
+        text = await self.render_metrics() if self.render_metrics is not None else b""
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    # ---- generation -----------------------------------------------------------------------------------------------
+    async def _complete(self, request, parse, chat: bool):
+        """Authorize, parse, start the generation and wait for its first event, so every error that can be known
+        before the first token gets its own status; then stream it (SSE) or collect it (one JSON answer)."""
+        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        events = None
+        try:
+            self.server.authorize(request.headers.get("authorization"))
+            body, typed, prompt_tokens = await parse(request_id)
+            events = self.server.generate(typed)
+            first = await anext(events)
+        except Exception as exc:  # noqa: BLE001 - mapped to its status
+            if events is not None:
+                await events.aclose()
+            return self._error_response(openai_error(exc, request_id, self.public.retry_after_s))
+        render = _Render(request_id, self.model_name, chat, prompt_tokens)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return self._streaming(render, first, events, include_usage)
+        return await self._collected(render, first, events)
+
+    async def _collected(self, render: "_Render", first, events: AsyncIterator):
+        text, completion_tokens, last = [], 0, first
+        try:
+            async for event in _chain(first, events):
+                if isinstance(event, TokensEvent):
+                    text.append(event.text)
+                    completion_tokens += len(event.token_ids)
+                last = event
+        except Exception as exc:  # noqa: BLE001 - mapped to its status
+            return self._error_response(openai_error(exc, render.request_id, self.public.retry_after_s))
+        return JSONResponse(render.whole("".join(text), last, completion_tokens))
+
+    def _streaming(self, render: "_Render", first, events: AsyncIterator, include_usage: bool):
+        async def sse() -> AsyncIterator[str]:
+            completion_tokens = 0
+            try:
+                if render.chat:
+                    yield _sse(render.chunk({"role": "assistant", "content": ""}))
+                async for event in _chain(first, events):
+                    if isinstance(event, FinishedEvent):
+                        yield _sse(render.chunk(None, event.finish_reason))
+                        if include_usage:
+                            yield _sse(render.usage_chunk(event, completion_tokens))
+                    elif event.text or event.token_ids:
+                        completion_tokens += len(event.token_ids)
+                        yield _sse(render.chunk(event.text))
+            except Exception as exc:  # noqa: BLE001 - the status is sent; the error goes in the stream
+                yield _sse(openai_error(exc, render.request_id, self.public.retry_after_s).body())
+            finally:
+                await events.aclose()  # the client left or the stream ended: the generation is cancelled/freed
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(sse(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Request-Id": render.request_id})
+
+    @staticmethod
+    def _error_response(error: OpenAIError):
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+class _Render:
+    """OpenAI's response objects for one request (chat.completion[.chunk] or text_completion)."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, prompt_tokens: int):
+        self.request_id, self.model, self.chat, self.prompt_tokens = request_id, model, chat, prompt_tokens
+        self.created = int(time.time())
+
+    def _envelope(self, stream: bool) -> dict:
+        kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
+
+    def usage(self, finished: FinishedEvent, completion_tokens: int) -> dict:
+        """OpenAI's token counts plus our speculative statistics (`speculation`: the public SpecStats fields)."""
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens, "speculation": finished.stats}
+
+    def chunk(self, text: str | dict | None, finish_reason: str | None = None) -> dict:
+        if self.chat:
+            delta = text if isinstance(text, dict) else ({} if text is None else {"content": text})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return {**self._envelope(True), "choices": [choice]}
+
+    def usage_chunk(self, finished: FinishedEvent, completion_tokens: int) -> dict:
+        return {**self._envelope(True), "choices": [], "usage": self.usage(finished, completion_tokens)}
+
+    def whole(self, text: str, finished: FinishedEvent, completion_tokens: int) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finished.finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finished.finish_reason}
+        return {**self._envelope(False), "choices": [choice], "usage": self.usage(finished, completion_tokens)}
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+async def _chain(first, rest: AsyncIterator) -> AsyncIterator:
+    yield first
+    async for item in rest:
+        yield item
+
+
+Route = tuple[Literal["GET", "POST"], str, str]
+ROUTES: list[Route] = [("POST", "/v1/chat/completions", "chat_completions"), ("POST", "/v1/completions", "completions"),
+                       ("GET", "/v1/models", "models"), ("GET", "/health", "health"), ("GET", "/metrics", "metrics")]
+
+
+def build_http_app(front: OpenAIFront):
+    """The FastAPI app of one Target replica (Serve's `__serve_build_asgi_app__`; tests call it directly)."""
+
+    app = FastAPI(title="EvoSpec Serve", description="OpenAI-compatible API (docs/openai.md)", docs_url=None,
+                  redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(HTTPException)
+    async def not_here(request: Request, exc: HTTPException):  # unknown path or method: OpenAI's JSON, not FastAPI's
+        paths = ", ".join(f"{m} {p}" for m, p, _ in ROUTES)
+        return front._error_response(OpenAIError(exc.status_code, f"{request.method} {request.url.path}: "
+                                                 f"{exc.detail}; this server answers {paths}", "invalid_request_error"))
+    def endpoint(handler):
+        async def route(request: Request):  # FastAPI reads the signature: the request only, no parameters
+            return await handler(request)
+        return route
+    for method, path, name in ROUTES:
+        app.add_api_route(path, endpoint(getattr(front, name)), methods=[method], name=name)
+    return app

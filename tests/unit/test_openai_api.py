@@ -1,0 +1,292 @@
+"""The OpenAI-compatible front in process: the official `openai` client (over an in-memory ASGI transport) against
+the tiny pair's target server with a real draft server, raw HTTP for the error cases, and /metrics.
+
+The same routes through Serve's HTTP proxy are tested in tests/e2e/test_openai_e2e.py."""
+from __future__ import annotations
+
+import asyncio
+import re
+
+import httpx2
+import openai
+import pytest
+
+from evospec.config import SamplingParams, SchedulerConfig
+from evospec.errors import InvalidRequestError
+from evospec.services.common.metrics import HttpMetrics
+from evospec.services.config import DraftLinkConfig, DraftServiceConfig, InternalStreamConfig, TargetServiceConfig
+from evospec.services.draft.server import DraftServer
+from evospec.services.draft.servicer import start_draft_server
+from evospec.services.target.draft_link import DraftReplicas
+from evospec.services.target.grpc_api import GrpcFront
+from evospec.services.target.openai_api import OpenAIFront, build_http_app
+from evospec.services.target.server import DraftSide, GenerateRequest, Prompt, TargetServer
+from evospec.services.target.textstream import TextStream
+from evospec.tokenizer import load_tokenizer
+
+SECRET = "s" * 32
+MODEL = "tiny-target"
+GREEDY = {"temperature": 0, "max_tokens": 24}
+PROMPT = "Does aspirin reduce the risk of myocardial infarction?"
+
+
+@pytest.fixture(scope="module")
+def stack():
+    draft_cfg = DraftServiceConfig(internal=InternalStreamConfig(secret=SECRET))
+    draft = DraftServer.from_config(draft_cfg)
+    grpc_server, port = start_draft_server(draft, "127.0.0.1", draft_cfg.internal)
+    pool = DraftReplicas(lambda: [f"127.0.0.1:{port}"], DraftLinkConfig(secret=SECRET, step_timeout_s=10))
+    assert pool.wait_healthy(1, timeout_s=30)
+
+    async def name():
+        return "tiny"
+
+    async def adapt_stats():
+        return {"mode": "lora", "version": 3}
+    cfg = TargetServiceConfig(scheduler=SchedulerConfig(adaptive=False),
+                              public={"served_model_name": MODEL, "auth_tokens": ["tok-123"]})
+    server = TargetServer.from_config(cfg, DraftSide(pool, name, name, adapt_stats))
+    metrics = HttpMetrics(MODEL)
+    server.metrics = (metrics.service,)
+
+    async def render():
+        return metrics.render(server.scheduler.num_running(), server.scheduler.num_waiting(),
+                              await server.drafts.adapt_stats())
+    front = OpenAIFront(server, cfg.public, MODEL, render)
+    yield build_http_app(front), server
+    server.close()
+    pool.close()
+    grpc_server.stop(grace=None)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=120))
+
+
+def client(app, key="tok-123") -> openai.AsyncOpenAI:
+    http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://test")
+    return openai.AsyncOpenAI(base_url="http://test/v1", api_key=key, http_client=http, max_retries=0)
+
+
+async def raw(app, method: str, path: str, body=None, key: str | None = "tok-123", content: bytes | None = None):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://test") as http:
+        return await http.request(method, path, json=body, content=content, headers=headers)
+
+
+def grpc_text(server: TargetServer, prompt: Prompt, max_tokens: int) -> str:
+    """The same greedy request through the gRPC front (its streamed text, joined)."""
+    from evospec_client.api.v1 import generate_pb2 as pb
+    if prompt.messages is not None:
+        req = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role=m.role, content=m.content)
+                                                        for m in prompt.messages]))
+    else:
+        req = pb.GenerateRequest(prompt=prompt.text)
+    req.sampling.max_tokens, req.sampling.temperature = max_tokens, 0.0
+
+    class Context:  # what the gRPC front reads from Serve's request context
+        def invocation_metadata(self):
+            return (("authorization", "Bearer tok-123"),)
+
+    async def collect():
+        return "".join([r.text async for r in GrpcFront(server).Generate(req, Context())])
+    return run(collect())
+
+
+def test_chat_streaming_and_not_equal_grpc_greedy_text(stack):
+    app, server = stack
+    messages = [{"role": "user", "content": PROMPT}]
+
+    async def both():
+        c = client(app)
+        whole = await c.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
+        stream = await c.chat.completions.create(model=MODEL, messages=messages, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY)
+        chunks = [chunk async for chunk in stream]
+        return whole, chunks
+    whole, chunks = run(both())
+    text = whole.choices[0].message.content
+    assert text and whole.choices[0].finish_reason in ("stop", "length")
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert text == grpc_text(server, Prompt(messages=[_msg(PROMPT)]), GREEDY["max_tokens"])
+    spec = whole.usage.model_extra["speculation"]
+    assert spec["method"] == "evospec" and spec["steps"] > 0 and spec["tau"] >= 1
+    assert whole.usage.prompt_tokens == spec["prompt_tokens"] and whole.usage.completion_tokens == spec[
+        "generated_tokens"]
+
+
+def _msg(content):
+    from evospec.services.target.server import ChatMessage
+    return ChatMessage("user", content)
+
+
+@pytest.mark.parametrize("method", ["ar", "frspec", "evospec"])
+def test_completions_streaming_and_not_with_speculation_options(stack, method):
+    app, server = stack
+    extra = {"speculation": {"method": method, "dynamic_size": 64}}
+
+    async def both():
+        c = client(app)
+        whole = await c.completions.create(model=MODEL, prompt=PROMPT, extra_body=extra, **GREEDY)
+        stream = await c.completions.create(model=MODEL, prompt=PROMPT, stream=True, extra_body=extra, **GREEDY)
+        return whole, [chunk async for chunk in stream]
+    whole, chunks = run(both())
+    assert whole.object == "text_completion" and whole.usage.model_extra["speculation"]["method"] == method
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert whole.choices[0].text == grpc_text(server, Prompt(text=PROMPT), GREEDY["max_tokens"])
+
+
+def test_stop_string_ends_the_text_before_it(stack):
+    app, _ = stack
+
+    async def go(stop):
+        c = client(app)
+        r = await c.completions.create(model=MODEL, prompt=PROMPT, stop=stop, extra_body={"ignore_eos": True},
+                                       **GREEDY)
+        return r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens
+    full, _, n_full = run(go(None))
+    assert len(full) > 6
+    stop = full[3:6]
+    text, reason, n = run(go([stop, "never-appears"]))
+    assert reason == "stop" and text == full[:full.index(stop)] and n < n_full
+
+
+def test_text_stream_holds_split_characters_and_stop_prefixes():
+    tok = load_tokenizer()
+    ids = tok("a µg dose 你好 then END here", add_special_tokens=False)["input_ids"]
+    plain = TextStream(tok)
+    pieces = [plain.feed([i]).text for i in ids] + [plain.finish()]
+    assert "".join(pieces) == tok.decode(ids) and "\ufffd" not in "".join(pieces)
+    stopped = TextStream(tok, ("END",))
+    out, used = [], 0
+    for i in ids:
+        delta = stopped.feed([i])
+        out.append(delta.text)
+        used += len(delta.token_ids)
+        assert "E" not in "".join(out)  # text that may begin the stop string is held back
+        if delta.stopped:
+            break
+    out.append(stopped.finish())
+    assert "".join(out) == "a µg dose 你好 then " and used < len(ids)
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10 ** 9}, 400, "max_tokens"),
+    ({"messages": [{"role": "tool", "content": "hi"}]}, 400, "chat.messages.role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "hi"}], "speculation": {"method": "eagle"}}, 400,
+     "speculation.method"),
+    ({"messages": [{"role": "user", "content": "hi"}], "speculation": {"dynamic_size": 10 ** 6}}, 400,
+     "speculation.dynamic_size"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, 400, "stop"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, 404, "model"),
+    ({"messages": []}, 400, "chat.messages"),
+    ({}, 400, "messages"),
+])
+def test_bad_requests_get_openai_errors_naming_the_field(stack, body, status, param):
+    app, _ = stack
+    r = run(raw(app, "POST", "/v1/chat/completions", body))
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+
+
+def test_not_json_unknown_route_and_missing_key(stack):
+    app, _ = stack
+    r = run(raw(app, "POST", "/v1/completions", content=b"{not json"))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+    r = run(raw(app, "GET", "/v1/embeddings"))
+    assert r.status_code == 404 and "/v1/chat/completions" in r.json()["error"]["message"]
+    r = run(raw(app, "POST", "/v1/completions", {"prompt": "hi"}, key=None))
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = run(raw(app, "GET", "/v1/models", key="wrong"))
+    assert r.status_code == 401
+    assert run(raw(app, "GET", "/health", key=None)).status_code == 200  # open, for load balancers
+    models = run(raw(app, "GET", "/v1/models")).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+
+
+def test_overloaded_is_429_with_retry_after(stack, monkeypatch):
+    app, server = stack
+    from evospec.errors import OverloadedError
+
+    def full(*args, **kwargs):
+        raise OverloadedError("256 requests already wait for KV memory; retry later")
+    monkeypatch.setattr(server.scheduler, "submit", full)
+    r = run(raw(app, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}))
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "rate_limit_exceeded"
+
+
+def scrape(app) -> dict[str, float]:
+    text = run(raw(app, "GET", "/metrics", key=None)).text
+    values = {}
+    for line in text.splitlines():
+        m = re.match(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([0-9.e+-]+)$', line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+            key = m.group(1) + "".join(f"|{k}={v}" for k, v in sorted(labels.items()) if k != "model_name")
+            values[key] = float(m.group(3))
+    return values
+
+
+def test_metrics_move_by_the_request_statistics_and_show_it_running(stack):
+    app, server = stack
+
+    async def scrape_mid_generation():
+        request = GenerateRequest(Prompt(text=PROMPT), SamplingParams(max_tokens=8, ignore_eos=True),
+                                  server.default_spec)
+        events = server.generate(request)
+        await anext(events)
+        try:
+            return await asyncio.to_thread(scrape, app)
+        finally:
+            await events.aclose()
+    assert run(scrape_mid_generation())["vllm:num_requests_running"] == 1
+    before = scrape(app)
+
+    async def generate():
+        c = client(app)
+        stream = await c.completions.create(model=MODEL, prompt=PROMPT, stream=True, stream_options={
+            "include_usage": True}, extra_body={"speculation": {"method": "evospec"}, "ignore_eos": True}, **GREEDY)
+        return [chunk async for chunk in stream]
+    chunks = run(generate())
+    after = scrape(app)
+    stats = chunks[-1].usage.model_extra["speculation"]
+
+    def delta(name):
+        return after.get(name, 0) - before.get(name, 0)
+    m = "|method=evospec"
+    assert delta(f"vllm:spec_decode_num_drafts_total{m}") == stats["steps"] > 0
+    assert delta(f"vllm:spec_decode_num_draft_tokens_total{m}") == stats["drafted"]
+    assert delta(f"vllm:spec_decode_num_accepted_tokens_total{m}") == stats["accepted"]
+    per_pos = sum(delta(f"vllm:spec_decode_num_accepted_tokens_per_pos_total{m}|position={p}")
+                  for p in range(len(stats["accepted_per_pos"])))
+    assert per_pos == sum(stats["accepted_per_pos"])
+    assert delta(f"vllm:generation_tokens_total{m}") == stats["generated_tokens"]
+    assert delta(f"vllm:prompt_tokens_total{m}") == stats["prompt_tokens"]
+    assert delta(f"vllm:time_to_first_token_seconds_count{m}") == 1
+    assert delta(f"vllm:e2e_request_latency_seconds_count{m}") == 1
+    assert delta(f"vllm:inter_token_latency_seconds_count{m}") == sum(1 for c in chunks if c.choices) - 2
+    assert delta(f"evospec:draft_vocab_misses_total{m}") == stats["misses"]
+    reason = chunks[-2].choices[0].finish_reason
+    assert delta(f"vllm:request_success_total|finished_reason={reason}{m}") == 1
+    assert after["evospec:adapter_version|mode=lora"] == 3
+    assert after["vllm:num_requests_running"] == 0
+
+
+def test_generate_request_stop_is_validated(stack):
+    _, server = stack
+
+    async def go():
+        request = GenerateRequest(Prompt(text="hi"), SamplingParams(max_tokens=2), server.default_spec,
+                                  stop=("x" * 300,))
+        return [event async for event in server.generate(request)]
+    with pytest.raises(InvalidRequestError, match="stop"):
+        run(go())
