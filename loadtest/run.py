@@ -1,7 +1,12 @@
-"""Async load generator over the client SDK, with `vllm bench serve` conventions.
+"""Async load generator over the client SDK or any OpenAI-compatible endpoint, with `vllm bench serve` conventions.
 
     evospec loadtest --server 127.0.0.1:9000 --num-prompts 64 --max-concurrency 16
     evospec loadtest --request-rate 4 --burstiness 1.0 --dataset spec-bench --goodput ttft:500 tpot:50
+    evospec loadtest --api openai --server http://127.0.0.1:8000 --max-concurrency 8   # the HTTP front (or vLLM)
+
+Both fronts send the same requests: greedy chat completions of --output-len tokens. With --api openai the streamed
+chat completion asks for usage (`stream_options.include_usage`), so output tokens and τ come from the server's
+counts, not from counting messages (one message can carry several tokens when speculation accepts them).
 
 Closed loop: --max-concurrency caps requests in flight. Open loop: --request-rate (req/s, inf = all at once) with
 gamma-distributed gaps (burstiness 1 = Poisson). Reports TTFT, TPOT, ITL, E2EL (mean/median/p90/p99), request and
@@ -13,7 +18,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -65,6 +73,57 @@ async def one_request(client: AsyncEvoSpecClient, req: LoadRequest, spec: dict, 
     return result
 
 
+async def one_openai_request(client, req: LoadRequest, spec: dict, timeout: float, model: str) -> RequestResult:
+    """The same request through an OpenAI-compatible endpoint (`openai.AsyncOpenAI`): greedy, streamed, with usage;
+    the speculation options ride in the body extension `speculation`."""
+    import openai
+    start = time.perf_counter()
+    last = start
+    result = RequestResult(ok=False, max_tokens=req.max_tokens)
+    extra = {"speculation": spec} if spec else None
+    try:
+        stream = await client.chat.completions.create(
+            model=model, messages=req.messages, max_tokens=req.max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body=extra, timeout=timeout)
+        async for chunk in stream:
+            now = time.perf_counter()
+            choice = chunk.choices[0] if chunk.choices else None
+            if choice is not None and choice.delta.content:
+                if result.ttft == 0.0:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+            if choice is not None and choice.finish_reason:
+                result.finish_reason = choice.finish_reason
+            if chunk.usage is not None:
+                result.output_tokens = chunk.usage.completion_tokens
+                result.stats = (chunk.usage.model_extra or {}).get("speculation") or {}
+        result.e2el = time.perf_counter() - start
+        result.ok = bool(result.finish_reason)
+    except openai.APIStatusError as e:
+        result.error = f"HTTP {e.status_code}"
+    except (openai.APIConnectionError, openai.APITimeoutError) as e:
+        result.error = type(e).__name__
+    return result
+
+
+@contextlib.asynccontextmanager
+async def open_client(api: str, server: str, timeout: float):
+    """(client, request function) for one front: the gRPC SDK, or the `openai` client on `server`/v1 with the first
+    model it lists (any OpenAI-compatible server: ours, vLLM, SGLang)."""
+    if api == "grpc":
+        async with AsyncEvoSpecClient(server, timeout=timeout) as client:
+            yield client, one_request
+        return
+    import openai
+    base = server if server.startswith("http") else f"http://{server}"
+    async with openai.AsyncOpenAI(base_url=f"{base.rstrip('/')}/v1", api_key=os.environ.get("OPENAI_API_KEY", "none"),
+                                  timeout=timeout, max_retries=0) as client:
+        model = (await client.models.list()).data[0].id
+        yield client, functools.partial(one_openai_request, model=model)
+
+
 def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
     if rate == float("inf"):
         return [0.0] * n
@@ -74,16 +133,17 @@ def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[floa
 
 async def run_load(address: str, requests: list[LoadRequest], spec: dict, max_concurrency: int | None,
                    request_rate: float, burstiness: float, seed: int, timeout: float,
-                   max_duration_s: float | None = None, progress: bool = True) -> tuple[list[RequestResult], float]:
+                   max_duration_s: float | None = None, progress: bool = True, api: str = "grpc"
+                   ) -> tuple[list[RequestResult], float]:
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = tqdm(total=len(requests), desc="requests", disable=not progress)
-    async with AsyncEvoSpecClient(address, timeout=timeout) as client:
+    async with open_client(api, address, timeout) as (client, send):
         async def guarded(req):
             if sem is None:
-                res = await one_request(client, req, spec, timeout)
+                res = await send(client, req, spec, timeout)
             else:
                 async with sem:
-                    res = await one_request(client, req, spec, timeout)
+                    res = await send(client, req, spec, timeout)
             bar.update(1)
             return res
 
@@ -167,7 +227,10 @@ def parse_goodput(items: list[str] | None) -> dict[str, float] | None:
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--server", default="127.0.0.1:9000")
+    ap.add_argument("--api", choices=["grpc", "openai"], default="grpc",
+                    help="grpc: our SDK on Serve's gRPC port; openai: an OpenAI-compatible HTTP endpoint")
+    ap.add_argument("--server", help="grpc: HOST:PORT (default 127.0.0.1:9000); openai: base URL (default "
+                                     "http://127.0.0.1:8000; $OPENAI_API_KEY is sent as the key)")
     ap.add_argument("--dataset", default="medical", choices=["medical", "spec-bench", "jsonl"])
     ap.add_argument("--dataset-path")
     ap.add_argument("--num-prompts", type=int, default=32)
@@ -188,17 +251,20 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(ap)
     args = ap.parse_args(argv)
+    args.server = args.server or ("127.0.0.1:9000" if args.api == "grpc" else "http://127.0.0.1:8000")
     requests = build_requests(load_prompts(args.dataset, args.num_prompts, args.seed, args.dataset_path),
                               args.output_len, tuple(args.output_len_range) if args.output_len_range else None,
                               args.seed)
     spec = {"method": args.method} if args.method else {}
     results, duration = asyncio.run(run_load(args.server, requests, spec, args.max_concurrency, args.request_rate,
-                                             args.burstiness, args.seed, args.timeout, args.max_duration))
+                                             args.burstiness, args.seed, args.timeout, args.max_duration,
+                                             api=args.api))
     summary = summarize(results, duration, parse_goodput(args.goodput))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "loadtest.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                         "summary": summary,
                                                         "requests": [asdict(r) for r in results]}, indent=1))
-    plot_cdfs(results, args.out / "loadtest_cdf.png", f"{args.method or 'default'} method, {args.dataset}")
+    plot_cdfs(results, args.out / "loadtest_cdf.png",
+              f"{args.method or 'default'} method, {args.dataset}, {args.api} front")
     print(json.dumps(summary, indent=1))
     return 0 if summary["failed"] == 0 else 1

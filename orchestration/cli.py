@@ -168,10 +168,13 @@ def cmd_serve(args) -> int:
     cfg = AppConfig.from_yaml(args.config or DEFAULT_CONFIG)
     if args.grpc_port:
         cfg = cfg.model_copy(update={"grpc_port": args.grpc_port})
+    if args.http_port:
+        cfg = cfg.model_copy(update={"http_port": args.http_port})
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with local_service(cfg) as address:
-        print(f"EvoSpec Serve listening on {address} (gRPC, service evospec.v1.Generate). Ctrl-C to stop.", flush=True)
+        print(f"EvoSpec Serve listening on {address} (gRPC, service evospec.v1.Generate) and "
+              f"http://127.0.0.1:{cfg.http_port}/v1 (OpenAI-compatible; /metrics). Ctrl-C to stop.", flush=True)
         try:
             stop.wait()
         except KeyboardInterrupt:
@@ -246,7 +249,7 @@ def cmd_vocab(args) -> int:
     return 0
 
 
-BENCH_SUITES = ("v1", "grid", "misses", "adapt", "random", "decoupled", "real", "concurrency")
+BENCH_SUITES = ("v1", "grid", "misses", "adapt", "random", "decoupled", "real", "concurrency", "fronts")
 PASSTHROUGH = {"loadtest": "evospec.loadtest.run", "loadtest-sweep": "evospec.loadtest.sweep",
                "train-tiny": "evospec.tiny_pair.train", "chaos": "evospec.orchestration.chaos",
                "fuzz": "evospec.orchestration.fuzz", "soak": "evospec.orchestration.soak"}
@@ -276,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_p = sub.add_parser("serve", help="run the decoupled service on a local Ray cluster until Ctrl-C")
     serve_p.add_argument("--config", help="service YAML (default orchestration/configs/cpu-tiny.yaml)")
     serve_p.add_argument("--grpc-port", type=int)
+    serve_p.add_argument("--http-port", type=int, help="Serve's HTTP port: the OpenAI-compatible API and /metrics")
     serve_p.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="stream one answer from a running service (SDK client)")

@@ -42,3 +42,20 @@ def test_errors_are_counted_by_status(service, client):
     requests = build_requests(load_prompts("medical", 3, 0), 0, None, 0)  # max_tokens 0 is invalid
     results, duration = asyncio.run(run_load(service[0], requests, {}, 2, float("inf"), 1.0, 0, 60, progress=False))
     assert summarize(results, duration)["errors"] == {"INVALID_ARGUMENT": 3}
+
+
+def test_openai_mode_drives_the_http_front_with_the_same_results(service, client):
+    """The same greedy load through both fronts: the same outputs (token counts, finish reasons, τ per request)."""
+    requests = build_requests(load_prompts("medical", 4, 0), 16, None, 0)
+    http = f"http://127.0.0.1:{service[1].http_port}"
+    runs = {api: asyncio.run(run_load(address, requests, {"method": "evospec"}, 2, float("inf"), 1.0, 0, 120,
+                                      progress=False, api=api))[0]
+            for api, address in (("grpc", service[0]), ("openai", http))}
+    for api, results in runs.items():
+        assert all(r.ok for r in results), (api, [r.error for r in results])
+    assert [r.output_tokens for r in runs["grpc"]] == [r.output_tokens for r in runs["openai"]]
+    assert [r.finish_reason for r in runs["grpc"]] == [r.finish_reason for r in runs["openai"]]
+    assert [r.stats["steps"] for r in runs["grpc"]] == [r.stats["steps"] for r in runs["openai"]]
+    errors = asyncio.run(run_load(http, build_requests(load_prompts("medical", 2, 0), 0, None, 0), {}, 2,
+                                  float("inf"), 1.0, 0, 60, progress=False, api="openai"))
+    assert summarize(*errors)["errors"] == {"HTTP 400": 2}
