@@ -4,7 +4,7 @@
     evospec loadtest --request-rate 4 --burstiness 1.0 --dataset spec-bench --goodput ttft:500 tpot:50
     evospec loadtest --api openai --server http://127.0.0.1:8000 --max-concurrency 8   # the HTTP front (or vLLM)
 
-Both fronts send the same requests: greedy chat completions of --output-len tokens. With --api openai the streamed
+Both fronts send the same requests: chat completions of --output-len tokens (greedy unless --temperature). With --api openai the streamed
 chat completion asks for usage (`stream_options.include_usage`), so output tokens and τ come from the server's
 counts, not from counting messages (one message can carry several tokens when speculation accepts them).
 
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from evospec.loadtest.datasets import LoadRequest, build_requests, load_prompts
+from evospec.loadtest.datasets import LoadRequest, build_requests, load_prompts, write_jsonl
 from evospec_client import AsyncEvoSpecClient, EvoSpecClientError
 
 
@@ -55,7 +55,8 @@ async def one_request(client: AsyncEvoSpecClient, req: LoadRequest, spec: dict, 
     last = start
     result = RequestResult(ok=False, max_tokens=req.max_tokens)
     try:
-        async for delta in client.stream(messages=req.messages, max_tokens=req.max_tokens, timeout=timeout, **spec):
+        async for delta in client.stream(messages=req.messages, max_tokens=req.max_tokens, timeout=timeout,
+                                         temperature=req.temperature, ignore_eos=req.ignore_eos, **spec):
             now = time.perf_counter()
             if delta.token_ids:
                 if result.output_tokens == 0:
@@ -74,17 +75,17 @@ async def one_request(client: AsyncEvoSpecClient, req: LoadRequest, spec: dict, 
 
 
 async def one_openai_request(client, req: LoadRequest, spec: dict, timeout: float, model: str) -> RequestResult:
-    """The same request through an OpenAI-compatible endpoint (`openai.AsyncOpenAI`): greedy, streamed, with usage;
-    the speculation options ride in the body extension `speculation`."""
+    """The same request through an OpenAI-compatible endpoint (`openai.AsyncOpenAI`): streamed, with usage; the
+    speculation options ride in the body extension `speculation`, ignore_eos in vLLM's extension field."""
     import openai
     start = time.perf_counter()
     last = start
     result = RequestResult(ok=False, max_tokens=req.max_tokens)
-    extra = {"speculation": spec} if spec else None
+    extra = ({"speculation": spec} if spec else {}) | ({"ignore_eos": True} if req.ignore_eos else {})
     try:
         stream = await client.chat.completions.create(
-            model=model, messages=req.messages, max_tokens=req.max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body=extra, timeout=timeout)
+            model=model, messages=req.messages, max_tokens=req.max_tokens, temperature=req.temperature, stream=True,
+            stream_options={"include_usage": True}, extra_body=extra or None, timeout=timeout)
         async for chunk in stream:
             now = time.perf_counter()
             choice = chunk.choices[0] if chunk.choices else None
@@ -241,6 +242,10 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--burstiness", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--method", default="")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (OpenAI clients default to 1.0)")
+    ap.add_argument("--ignore-eos", action="store_true", help="always generate the full output length")
+    ap.add_argument("--write-dataset", type=Path, metavar="JSONL",
+                    help="write the requests as JSONL for other load tools (guidellm --data kind=json_file) and exit")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--max-duration", type=float, default=600.0, help="stop issuing requests after this many s")
     ap.add_argument("--goodput", nargs="*", help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:5000")
@@ -254,7 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     args.server = args.server or ("127.0.0.1:9000" if args.api == "grpc" else "http://127.0.0.1:8000")
     requests = build_requests(load_prompts(args.dataset, args.num_prompts, args.seed, args.dataset_path),
                               args.output_len, tuple(args.output_len_range) if args.output_len_range else None,
-                              args.seed)
+                              args.seed, args.temperature, args.ignore_eos)
+    if args.write_dataset:
+        write_jsonl(requests, args.write_dataset)
+        print(f"wrote {len(requests)} requests to {args.write_dataset}")
+        return 0
     spec = {"method": args.method} if args.method else {}
     results, duration = asyncio.run(run_load(args.server, requests, spec, args.max_concurrency, args.request_rate,
                                              args.burstiness, args.seed, args.timeout, args.max_duration,
