@@ -106,6 +106,8 @@ async def one_openai_request(client, req: LoadRequest, spec: dict, timeout: floa
         result.error = f"HTTP {e.status_code}"
     except (openai.APIConnectionError, openai.APITimeoutError) as e:
         result.error = type(e).__name__
+    except openai.APIError as e:  # an error event in the stream, after the 200 status
+        result.error = type(e).__name__
     return result
 
 

@@ -164,12 +164,12 @@ def cmd_serve(args) -> int:
     import threading
 
     from evospec.orchestration.config import DEFAULT_CONFIG, AppConfig
-    from evospec.orchestration.local import local_service
+    from evospec.orchestration.local import free_port, local_service
     cfg = AppConfig.from_yaml(args.config or DEFAULT_CONFIG)
     if args.grpc_port:
         cfg = cfg.model_copy(update={"grpc_port": args.grpc_port})
-    if args.http_port:
-        cfg = cfg.model_copy(update={"http_port": args.http_port})
+    if args.http_port or not cfg.http_port:  # 0 = any free port: choose it here to print it
+        cfg = cfg.model_copy(update={"http_port": args.http_port or free_port()})
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with local_service(cfg) as address:
@@ -251,6 +251,7 @@ def cmd_vocab(args) -> int:
 
 BENCH_SUITES = ("v1", "grid", "misses", "adapt", "random", "decoupled", "real", "concurrency", "fronts")
 PASSTHROUGH = {"loadtest": "evospec.loadtest.run", "loadtest-sweep": "evospec.loadtest.sweep",
+               "loadtest-compare": "evospec.loadtest.compare",
                "train-tiny": "evospec.tiny_pair.train", "chaos": "evospec.orchestration.chaos",
                "fuzz": "evospec.orchestration.fuzz", "soak": "evospec.orchestration.soak"}
 
@@ -335,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("suite", choices=BENCH_SUITES)
     sub.add_parser("loadtest", help="async load generator against a running service (vllm bench serve style)")
     sub.add_parser("loadtest-sweep", help="methods x concurrency sweep (starts a local service by default)")
+    sub.add_parser("loadtest-compare", help="one table from guidellm's and our load test's results on the same load")
     sub.add_parser("train-tiny", help="retrain the embedded tiny Qwen3 pair (~30 CPU-minutes)")
     sub.add_parser("chaos", help="freeze and kill draft and target replicas under load on a local two-node cluster; "
                                  "print what streams and clients saw and how fast speculation came back")

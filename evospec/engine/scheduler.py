@@ -45,7 +45,7 @@ from evospec.engine.generate import SpeculativeDecoder, apply_stop_rules
 from evospec.engine.profile import StepProfile
 from evospec.engine.stats import SpecStats
 from evospec.engine.target import TargetSession
-from evospec.errors import EvoSpecError, OverloadedError, ShuttingDownError
+from evospec.errors import EvoSpecError, InvalidRequestError, OverloadedError, ShuttingDownError
 from evospec.kernels.tree import tree_depths
 from evospec.model import KVArena
 from evospec.model.qwen3 import forward_seconds
@@ -188,7 +188,8 @@ class Scheduler:
         return RequestHandle(request, self._wake)
 
     def _check_fits(self, request: _Request) -> None:
-        """Refuse at once what no amount of waiting would admit: more KV than an arena holds."""
+        """Refuse at once what no amount of waiting would admit: more KV than an arena holds (a client mistake:
+        InvalidRequestError naming max_tokens, not an overload a retry could fix)."""
         draft_arena = getattr(self.drafter, "arena", None)
         needs = [(request.max_len, self.arena.capacity, "kv_tokens")]
         if request.speculative and draft_arena is not None:
@@ -196,9 +197,10 @@ class Scheduler:
                           "draft_kv_tokens"))
         for tokens, capacity, name in needs:
             if tokens > capacity:
-                raise OverloadedError(f"the request needs {tokens} KV tokens (prompt {len(request.prompt_ids)} + "
-                                      f"max_tokens {request.sampling.max_tokens} + one tree); this replica holds "
-                                      f"{capacity} (scheduler.{name}): lower max_tokens or the prompt")
+                raise InvalidRequestError("max_tokens", f"the request needs {tokens} KV tokens (prompt "
+                                      f"{len(request.prompt_ids)} + max_tokens {request.sampling.max_tokens} + one "
+                                      f"tree); this replica holds {capacity} (scheduler.{name}): lower max_tokens or "
+                                      f"the prompt")
 
     @staticmethod
     def _draft_request(request: _Request) -> DraftRequest:

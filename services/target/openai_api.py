@@ -105,6 +105,30 @@ class CompletionRequest(_CommonRequest):
     suffix: str | None = None
 
 
+def parse_body(data: bytes, model: type[BaseModel]) -> BaseModel:
+    """A JSON object as `model`; InvalidRequestError naming the field otherwise."""
+    try:
+        raw = json.loads(data)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError; RecursionError: absurdly deep nesting
+        raise InvalidRequestError("body", "is not valid JSON") from None
+    if not isinstance(raw, dict):
+        raise InvalidRequestError("body", "must be a JSON object")
+    return validated(model, **raw)
+
+
+# The server's checks name gRPC fields; an HTTP client is told the OpenAI parameter to fix.
+PARAM_OF_FIELD = {"prompt_token_ids": "prompt", "chat.messages.content": "messages", "chat.messages.role": "messages",
+                  "chat.messages": "messages", "input": "messages", "spec": "speculation",
+                  "sampling.max_tokens": "max_tokens"}
+
+
+def openai_param(field: str) -> str:
+    for ours, theirs in PARAM_OF_FIELD.items():
+        if field == ours or field.startswith(ours + "."):
+            return theirs + field[len(ours):]
+    return field
+
+
 def refuse_unsupported(body: _CommonRequest) -> None:
     """InvalidRequestError for every parameter we would otherwise have to ignore."""
     neutral = {"n": (None, 1), "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
@@ -185,7 +209,8 @@ def openai_error(exc: BaseException, request_id: str, retry_after_s: int) -> Ope
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, InvalidRequestError):
-        return OpenAIError(400, str(exc), "invalid_request_error", exc.field)
+        param = openai_param(exc.field)
+        return OpenAIError(400, f"{param}: {exc.message}", "invalid_request_error", param)
     if isinstance(exc, UnauthenticatedError):
         return OpenAIError(401, "missing or invalid API key: send the header 'Authorization: Bearer <token>'",
                            "authentication_error", code="invalid_api_key")
@@ -220,13 +245,7 @@ class OpenAIFront:
             data += chunk
             if len(data) > limit:
                 raise OpenAIError(413, f"the body is over {limit} bytes", "invalid_request_error")
-        try:
-            raw = json.loads(data)
-        except (ValueError, UnicodeDecodeError):
-            raise InvalidRequestError("body", "is not valid JSON") from None
-        if not isinstance(raw, dict):
-            raise InvalidRequestError("body", "must be a JSON object")
-        return validated(model, **raw)
+        return await asyncio.to_thread(parse_body, bytes(data), model)  # megabytes of JSON: not on the event loop
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

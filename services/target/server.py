@@ -247,6 +247,7 @@ class TargetServer:
             clock = _TokenClock(start)
             pending: list[int] = []  # tokens held back by stream_interval
             pending_text = ""
+            sent_tokens = 0
             while True:
                 event = await events.get()
                 while isinstance(event, TokensOut) and not events.empty():  # sent together: one message
@@ -260,18 +261,22 @@ class TargetServer:
                 pending_text += delta.text
                 if delta.token_ids:  # the first and the last tokens never wait
                     clock.tick()
+                    sent_tokens += len(delta.token_ids)
                     yield TokensEvent(request_id, delta.token_ids, pending_text)
                     pending, pending_text = [], ""
                 if isinstance(event, TokensOut) and not text.stopped:
                     continue
-                if isinstance(event, Failed):
+                if isinstance(event, Failed) and not text.stopped:  # a stop string completed the answer first
                     handle = None  # failed: nothing left to cancel
                     raise event.error
                 if isinstance(event, Finished):
                     finish_reason, stats = "stop" if text.stopped else event.finish_reason, event.stats
                 else:  # a stop string ended it: free its KV and draft session at the next step
                     handle.cancel()
+                    # A snapshot of the steps run (the scheduler may still be finishing the step in flight); the
+                    # tokens are those sent, as in the usage: not the rest of the stop string's step.
                     finish_reason, stats = "stop", copy.deepcopy(handle.stats)
+                    stats.generated_tokens = sent_tokens
                 handle = None
                 rest = text.finish()
                 if rest:

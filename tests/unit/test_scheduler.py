@@ -199,7 +199,7 @@ def test_long_prompt_prefills_in_chunks_while_others_decode(decoder):
 def test_admission_waits_for_kv_and_refuses_what_never_fits(decoder):
     sampling = SamplingParams(max_tokens=20, ignore_eos=True)
     scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=64, max_waiting=2, adaptive=False))
-    with pytest.raises(OverloadedError, match="lower max_tokens"):
+    with pytest.raises(InvalidRequestError, match="lower max_tokens"):
         scheduler.submit([3] * 10, SamplingParams(max_tokens=60), SpecParams(method="ar"), Collector())
     sinks = [Collector() for _ in range(3)]
     for sink in sinks[:2]:  # 20 + 2 prompt + 4 + 2 = 28 KV tokens each
