@@ -49,14 +49,15 @@ class Completion:
 def build_request(prompt: str | None = None, messages: list[dict] | None = None,
                   prompt_token_ids: list[int] | None = None, *, enable_thinking: bool = False,
                   max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
-                  top_k: int = 0, seed: int | None = None, ignore_eos: bool = False, method: str = "",
+                  top_k: int = 0, seed: int | None = None, ignore_eos: bool = False, stop: list[str] | None = None,
+                  method: str = "",
                   tree: dict | None = None, static_size: int | None = None, dynamic_size: int | None = None,
                   retrieval: list[str] | None = None, predraft: bool | None = None,
                   request_id: str = "") -> pb.GenerateRequest:
     given = [x is not None for x in (prompt, messages, prompt_token_ids)]
     if sum(given) != 1:
         raise ValueError("pass exactly one of prompt, messages or prompt_token_ids")
-    sampling = pb.SamplingParams(top_k=top_k, ignore_eos=ignore_eos)
+    sampling = pb.SamplingParams(top_k=top_k, ignore_eos=ignore_eos, stop=stop or [])
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("seed", seed)):
         if value is not None:
             setattr(sampling, name, value)

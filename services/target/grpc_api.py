@@ -20,6 +20,7 @@ from evospec.services.target.server import (
     TargetServer,
     merged_spec,
 )
+from evospec.services.target.textstream import checked_stop
 from evospec_client.api.v1 import generate_pb2 as pb
 
 
@@ -59,7 +60,8 @@ def prompt_from_proto(req: pb.GenerateRequest) -> Prompt:
 
 def request_from_proto(req: pb.GenerateRequest, default_spec: SpecParams) -> GenerateRequest:
     return GenerateRequest(prompt_from_proto(req), sampling_from_proto(req.sampling),
-                           spec_from_proto(req.spec, default_spec), req.request_id)
+                           spec_from_proto(req.spec, default_spec), req.request_id,
+                           checked_stop(tuple(req.sampling.stop), "sampling.stop"))
 
 
 def stats_to_proto(stats: dict) -> pb.SpecStats:

@@ -74,7 +74,8 @@ async def raw(app, method: str, path: str, body=None, key: str | None = "tok-123
         return await http.request(method, path, json=body, content=content, headers=headers)
 
 
-def grpc_text(server: TargetServer, prompt: Prompt, max_tokens: int) -> str:
+def grpc_text(server: TargetServer, prompt: Prompt, max_tokens: int, stop: list[str] | None = None,
+              ignore_eos: bool = False) -> str:
     """The same greedy request through the gRPC front (its streamed text, joined)."""
     from evospec_client.api.v1 import generate_pb2 as pb
     if prompt.messages is not None:
@@ -82,7 +83,8 @@ def grpc_text(server: TargetServer, prompt: Prompt, max_tokens: int) -> str:
                                                         for m in prompt.messages]))
     else:
         req = pb.GenerateRequest(prompt=prompt.text)
-    req.sampling.max_tokens, req.sampling.temperature = max_tokens, 0.0
+    req.sampling.max_tokens, req.sampling.temperature, req.sampling.ignore_eos = max_tokens, 0.0, ignore_eos
+    req.sampling.stop.extend(stop or [])
 
     class Context:  # what the gRPC front reads from Serve's request context
         def invocation_metadata(self):
@@ -139,8 +141,8 @@ def test_completions_streaming_and_not_with_speculation_options(stack, method):
     assert whole.choices[0].text == grpc_text(server, Prompt(text=PROMPT), GREEDY["max_tokens"])
 
 
-def test_stop_string_ends_the_text_before_it(stack):
-    app, _ = stack
+def test_stop_string_ends_the_text_before_it_through_both_fronts(stack):
+    app, server = stack
 
     async def go(stop):
         c = client(app)
@@ -152,6 +154,7 @@ def test_stop_string_ends_the_text_before_it(stack):
     stop = full[3:6]
     text, reason, n = run(go([stop, "never-appears"]))
     assert reason == "stop" and text == full[:full.index(stop)] and n < n_full
+    assert grpc_text(server, Prompt(text=PROMPT), GREEDY["max_tokens"], [stop, "never-appears"], ignore_eos=True) == text
 
 
 def test_text_stream_holds_split_characters_and_stop_prefixes():
