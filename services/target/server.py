@@ -269,14 +269,15 @@ class TargetServer:
                 if isinstance(event, Failed) and not text.stopped:  # a stop string completed the answer first
                     handle = None  # failed: nothing left to cancel
                     raise event.error
-                if isinstance(event, Finished):
-                    finish_reason, stats = "stop" if text.stopped else event.finish_reason, event.stats
-                else:  # a stop string ended it: free its KV and draft session at the next step
-                    handle.cancel()
+                if text.stopped:  # a stop string ended it; a generation still running is freed at the next step
+                    if not isinstance(event, Finished):
+                        handle.cancel()
                     # A snapshot of the steps run (the scheduler may still be finishing the step in flight); the
                     # tokens are those sent, as in the usage: not the rest of the stop string's step.
-                    finish_reason, stats = "stop", copy.deepcopy(handle.stats)
-                    stats.generated_tokens = sent_tokens
+                    stats = copy.deepcopy(event.stats if isinstance(event, Finished) else handle.stats)
+                    finish_reason, stats.generated_tokens = "stop", sent_tokens
+                else:
+                    finish_reason, stats = event.finish_reason, event.stats
                 handle = None
                 rest = text.finish()
                 if rest:

@@ -148,6 +148,7 @@ def test_stop_string_ends_the_text_before_it_through_both_fronts(stack):
         c = client(app)
         r = await c.completions.create(model=MODEL, prompt=PROMPT, stop=stop, extra_body={"ignore_eos": True},
                                        **GREEDY)
+        assert r.usage.model_extra["speculation"]["generated_tokens"] == r.usage.completion_tokens
         return r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens
     full, _, n_full = run(go(None))
     assert len(full) > 6
