@@ -294,3 +294,20 @@ def test_generate_request_stop_is_validated(stack):
         return [event async for event in server.generate(request)]
     with pytest.raises(InvalidRequestError, match="stop"):
         run(go())
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": [10 ** 9]}, "prompt"),
+    ({"prompt": ["one", "two"]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": "hi", "logprobs": 2}, "logprobs"),
+    ({"prompt": "hi", "echo": True}, "echo"),
+    ({"prompt": "hi", "stop": ["x"] * 17}, "stop"),
+    ({"prompt": "hi", "best_of": 3}, "best_of"),
+    ({"prompt": {"nested": None}}, "prompt"),
+])
+def test_bad_completions_get_400_naming_the_parameter(stack, body, param):
+    app, _ = stack
+    r = run(raw(app, "POST", "/v1/completions", body))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith(param)
