@@ -150,7 +150,8 @@ def cmd_demo(args) -> int:
           flush=True)
     with local_service(cfg) as address, EvoSpecClient(address) as client:
         info = client.wait_ready()
-        print(f"service up on {address}: target={info.get('target_model')} draft={info.get('draft_model')}\n")
+        print(f"service up on {address} (gRPC) and http://127.0.0.1:{cfg.http_port}/v1 (OpenAI-compatible): "
+              f"target={info.get('target_model')} draft={info.get('draft_model')}\n")
         print(f"[{args.method}] {args.prompt}\n")
         stats = print_stream(client.stream(**client_request_kwargs(args)))
         stats["tokens_per_second"] = stats.get("generated_tokens", 0) / max(stats.get("e2e_seconds", 1e-9), 1e-9)
