@@ -4,9 +4,10 @@
     evospec loadtest --request-rate 4 --burstiness 1.0 --dataset spec-bench --goodput ttft:500 tpot:50
     evospec loadtest --api openai --server http://127.0.0.1:8000 --max-concurrency 8   # the HTTP front (or vLLM)
 
-Both fronts send the same requests: chat completions of --output-len tokens (greedy unless --temperature). With --api openai the streamed
-chat completion asks for usage (`stream_options.include_usage`), so output tokens and τ come from the server's
-counts, not from counting messages (one message can carry several tokens when speculation accepts them).
+Both fronts send the same requests: chat completions of --output-len tokens (greedy unless --temperature). With
+--api openai the streamed chat completion asks for usage (`stream_options.include_usage`), so output tokens and τ
+come from the server's counts, not from counting messages (one message can carry several tokens when speculation
+accepts them).
 
 Closed loop: --max-concurrency caps requests in flight. Open loop: --request-rate (req/s, inf = all at once) with
 gamma-distributed gaps (burstiness 1 = Poisson). Reports TTFT, TPOT, ITL, E2EL (mean/median/p90/p99), request and

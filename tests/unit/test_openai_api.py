@@ -155,7 +155,8 @@ def test_stop_string_ends_the_text_before_it_through_both_fronts(stack):
     stop = full[3:6]
     text, reason, n = run(go([stop, "never-appears"]))
     assert reason == "stop" and text == full[:full.index(stop)] and n < n_full
-    assert grpc_text(server, Prompt(text=PROMPT), GREEDY["max_tokens"], [stop, "never-appears"], ignore_eos=True) == text
+    through_grpc = grpc_text(server, Prompt(text=PROMPT), GREEDY["max_tokens"], [stop, "never-appears"], ignore_eos=True)
+    assert through_grpc == text
 
 
 def test_text_stream_holds_split_characters_and_stop_prefixes():
