@@ -3,6 +3,7 @@ non-streams both endpoints, greedy text through HTTP equals the gRPC SDK's, erro
 proxy, and /metrics moves by each request's statistics while showing it running."""
 import re
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -111,3 +112,23 @@ def test_unknown_path_is_openai_404(base_url):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(f"{base_url}/v1/embeddings", timeout=30)
     assert e.value.code == 404 and b'"error"' in e.value.read()
+
+
+def test_a_client_that_disconnects_mid_stream_frees_both_sides(oai, model):
+    """Closing the HTTP stream after two chunks cancels the generation through Serve's HTTP proxy: the target's
+    and the draft's sessions are freed (as the gRPC cancel test checks for the SDK)."""
+    from ray import serve
+
+    def sessions():
+        return serve.get_app_handle("evospec").num_sessions.remote().result(timeout_s=30)
+    stream = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=400, stream=True,
+                                         extra_body={"ignore_eos": True, "speculation": {"method": "evospec"}})
+    chunks = iter(stream)
+    next(chunks)
+    next(chunks)
+    assert sessions() == {"target": 1, "draft": 1}
+    stream.close()  # closes the HTTP connection
+    deadline = time.monotonic() + 30
+    while sessions() != {"target": 0, "draft": 0} and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert sessions() == {"target": 0, "draft": 0}
