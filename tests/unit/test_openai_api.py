@@ -5,11 +5,14 @@ The same routes through Serve's HTTP proxy are tested in tests/e2e/test_openai_e
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 
 import httpx2
 import openai
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from evospec.config import SamplingParams, SchedulerConfig
 from evospec.errors import InvalidRequestError
@@ -44,7 +47,8 @@ def stack():
     async def adapt_stats():
         return {"mode": "lora", "version": 3}
     cfg = TargetServiceConfig(scheduler=SchedulerConfig(adaptive=False),
-                              public={"served_model_name": MODEL, "auth_tokens": ["tok-123"]})
+                              public={"served_model_name": MODEL, "auth_tokens": ["tok-123"],
+                                      "default_max_tokens": 4})  # the fuzz test's valid bodies stay short
     server = TargetServer.from_config(cfg, DraftSide(pool, name, name, adapt_stats))
     metrics = HttpMetrics(MODEL)
     server.metrics = (metrics.service,)
@@ -312,3 +316,46 @@ def test_bad_completions_get_400_naming_the_parameter(stack, body, param):
     r = run(raw(app, "POST", "/v1/completions", body))
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"].startswith(param)
+
+
+SMALL = st.integers(-3, 6) | st.sampled_from([0, 10 ** 12, 2 ** 64])
+JSON = st.recursive(st.none() | st.booleans() | SMALL | st.floats(allow_nan=True, allow_infinity=True)
+                    | st.text(max_size=12), lambda inner: st.lists(inner, max_size=3)
+                    | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=8)
+# Well-formed values (so that many cases reach a generation) or the edge of their range, plus one field replaced
+# by any JSON at all.
+TOKENS = st.integers(1, 6) | st.sampled_from([0, 10 ** 12])
+FIELDS = {"model": st.sampled_from([MODEL, MODEL, "gpt-4"]), "max_tokens": TOKENS, "max_completion_tokens": TOKENS,
+          "temperature": st.floats(0, 2) | st.just(-1.0), "top_p": st.floats(0.01, 1) | st.just(1.5),
+          "seed": st.integers(0, 2 ** 64) | st.just(-1), "stream": st.booleans(),
+          "stop": st.text(max_size=3) | st.lists(st.text(min_size=1, max_size=3), max_size=3) | st.just([""] * 17),
+          "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}), "n": st.sampled_from([1, 1, 2]),
+          "logprobs": st.sampled_from([False, None, True]), "ignore_eos": st.booleans(), "unknown_field": JSON,
+          "speculation": st.fixed_dictionaries({}, optional={
+              "method": st.sampled_from(["ar", "sd", "frspec", "evospec", "x"]), "dynamic_size": st.integers(0, 5000),
+              "depth": st.integers(0, 6), "shape": st.sampled_from(["chain", "tree"])})}
+MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "user", "system", "assistant", "tool"]),
+                                           "content": st.text(max_size=30)}), max_size=3)
+PROMPTS = st.text(max_size=30) | st.lists(st.integers(-1, 200), max_size=5)
+GARBAGE = st.none() | st.tuples(st.sampled_from([*FIELDS, "messages", "prompt"]), JSON)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(route=st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
+       body=st.fixed_dictionaries({}, optional=FIELDS), messages=MESSAGES, prompt=PROMPTS, garbage=GARBAGE)
+def test_any_json_body_is_served_or_refused_with_openai_json_never_a_500(stack, route, body, messages, prompt,
+                                                                         garbage):
+    """Property: whatever JSON a client sends, the answer is a completion (200) or an OpenAI error naming what to
+    fix (400, or 404 for a model this server does not serve); never a 500, a hang or a non-JSON error."""
+    app, _ = stack
+    chat = route.endswith("chat/completions")
+    body = {**body, **({"messages": messages} if chat else {"prompt": prompt}), **dict([garbage] if garbage else [])}
+    r = run(raw(app, "POST", route, content=json.dumps(body).encode()))  # NaN/Infinity as Python writes them
+    event(f"HTTP {r.status_code}")  # --hypothesis-show-statistics: how many cases reached a generation
+    assert r.status_code in (200, 400, 404), (r.status_code, r.text, body)
+    if r.status_code != 200:
+        error = r.json()["error"]
+        assert error["message"] and (error["param"] or r.status_code == 404), body
+    elif not body.get("stream"):
+        assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
