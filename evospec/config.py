@@ -215,13 +215,18 @@ def draft_seed(seed: int) -> int:
 M = TypeVar("M", bound=BaseModel)
 
 
+UNION_MEMBER_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "tuple"}
+
+
 def validated(model: type[M], /, **values) -> M:
     """Build a config object, turning the first pydantic error into InvalidRequestError naming the field."""
     try:
         return model(**values)
     except ValidationError as e:
         err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or model.__name__
+        # A union's error names the member type it tried (`stop.str`, `prompt.list[int].0`): keep the field path.
+        path = [p for p in err["loc"] if not (isinstance(p, str) and (p in UNION_MEMBER_TAGS or "[" in p))]
+        field = ".".join(str(p) for p in path) or model.__name__
         got = repr(err.get("input"))
         got = got if len(got) <= 200 else got[:200] + "..."  # never echo a huge input back
         raise InvalidRequestError(field, f"{err['msg']} (got {got})") from None
