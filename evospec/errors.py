@@ -26,6 +26,5 @@ class OverloadedError(EvoSpecError):
     """Too many concurrent generations (-> RESOURCE_EXHAUSTED)."""
 
 
-
 class ShuttingDownError(OverloadedError):
     """This replica is stopping; another one can serve the request (-> UNAVAILABLE-like: HTTP 503 Retry-After)."""

@@ -50,8 +50,7 @@ def predraft_slots(params: TreeParams, hypotheses: int) -> int:
     """Extra KV slots a session needs to pre-draft `hypotheses` outcomes of trees of this shape."""
     if not hypotheses:
         return 0
-    return forwarded_nodes(params) + tree_depth(params) + 2 + params.max_nodes + \
-        hypotheses * (1 + forwarded_nodes(params))
+    return region_start(0, params) + params.max_nodes + hypotheses * (1 + forwarded_nodes(params))
 
 
 @dataclass

@@ -266,9 +266,9 @@ class DraftServer:
         if request.spec.method == "ar":
             raise InvalidRequestError("start.vocab.method", "'ar' drafts nothing; it never opens a draft session")
         self._check_sizes(request)
-        hypotheses = self.predraft_hypotheses if predraft and request.spec.predraft else 0
-        tokens = DraftEngine.cache_tokens(request.max_len, request.spec.tree,
-                                          hypotheses if request.sampling.greedy else 0)
+        wants = predraft and request.spec.predraft and request.sampling.greedy  # pre-drafting is greedy-only
+        hypotheses = self.predraft_hypotheses if wants else 0
+        tokens = DraftEngine.cache_tokens(request.max_len, request.spec.tree, hypotheses)
         with self._lock:
             if session_id in self._sessions:
                 raise InvalidRequestError("start.session_id", f"{session_id!r} is already open")
