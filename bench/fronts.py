@@ -17,6 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
+from evospec.bench.harness import summarize as min_median_max
 from evospec.bench.prompts import PROMPT_SETS
 from evospec.config import METHODS
 from evospec.modelstore.catalog import pair_names
@@ -51,16 +52,12 @@ def timed_http(client, model: str, messages: list[dict], max_tokens: int, method
     return {"e2e_s": end - start, "ttft_s": first - start, "text": "".join(text), "tokens": usage.completion_tokens}
 
 
-def spread(values: list[float]) -> dict:
-    return {"min": round(min(values), 4), "median": round(statistics.median(values), 4), "max": round(max(values), 4)}
-
-
 def summarize(pairs: list[dict]) -> dict:
     e2e = [p["http"]["e2e_s"] / p["grpc"]["e2e_s"] for p in pairs]
     ttft = [p["http"]["ttft_s"] / p["grpc"]["ttft_s"] for p in pairs]
-    return {"pairs": len(pairs), "http_over_grpc_e2e": spread(e2e), "http_over_grpc_ttft": spread(ttft),
-            "grpc_e2e_s": spread([p["grpc"]["e2e_s"] for p in pairs]),
-            "http_e2e_s": spread([p["http"]["e2e_s"] for p in pairs]),
+    return {"pairs": len(pairs), "http_over_grpc_e2e": min_median_max(e2e), "http_over_grpc_ttft": min_median_max(ttft),
+            "grpc_e2e_s": min_median_max([p["grpc"]["e2e_s"] for p in pairs]),
+            "http_e2e_s": min_median_max([p["http"]["e2e_s"] for p in pairs]),
             "http_added_ms_median": round(1000 * statistics.median(
                 p["http"]["e2e_s"] - p["grpc"]["e2e_s"] for p in pairs), 2),
             "same_text": sum(p["http"]["text"] == p["grpc"]["text"] for p in pairs),
