@@ -9,8 +9,9 @@ for each metric with a PromQL example.
 """
 from __future__ import annotations
 
+import asyncio
 import math
-from typing import Callable
+from collections.abc import Awaitable, Callable
 
 from evospec.adapt.learner import AdaptStats
 from evospec.engine.stats import SpecStats
@@ -108,18 +109,11 @@ class ServiceMetrics:
         self.itl = Histogram("inter_token_latency_seconds", description="Time between a request's streamed token "
                              "messages (one per engine step or stream_interval).", boundaries=LATENCY_BUCKETS_S,
                              tag_keys=tags)
-        self.running = Gauge("num_requests_running", description="Generations in the engine's running batch.")
-        self.waiting = Gauge("num_requests_waiting", description="Generations waiting for KV memory or a slot.")
         self.prompt_tokens = Counter("prompt_tokens", description="Prompt tokens of finished requests.",
                                      tag_keys=tags)
         self.generated_tokens = Counter("generation_tokens", description="Generated tokens.", tag_keys=tags)
         self.requests = Counter("request_success", description="Finished requests by finish reason.",
                                 tag_keys=(*tags, "finished_reason"))
-
-    def set_load(self, running: int, waiting: int) -> None:
-        """The engine's queue lengths now (set before each scrape)."""
-        self.running.set(running, {})
-        self.waiting.set(waiting, {})
 
     def record(self, stats: SpecStats, method: str, ttft_s: float, e2e_s: float, finish_reason: str,
                dynamic_size: int = 0, inter_token_s: list[float] = ()) -> None:
@@ -168,21 +162,34 @@ class ServiceMetrics:
 
 class HttpMetrics:
     """The Target replica's `GET /metrics`: ServiceMetrics under vLLM's names in a private registry, plus what is
-    read at scrape time: the engine's running/waiting queues and the draft's adapter version."""
+    read at scrape time: the engine's running/waiting queues and a draft replica's adapter version."""
 
     def __init__(self, model_name: str):
         from prometheus_client import CollectorRegistry, Gauge, disable_created_metrics
         disable_created_metrics()  # no `_created` series, as vLLM's /metrics
         self.registry = CollectorRegistry()
         self.service = ServiceMetrics(prometheus_backend(self.registry, {"model_name": model_name}))
+        labels = {"model_name": model_name}
+        self.running = Gauge("vllm:num_requests_running", "Generations in the engine's running batch.",
+                             labelnames=tuple(labels), registry=self.registry).labels(**labels)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Generations waiting for KV memory or a slot.",
+                             labelnames=tuple(labels), registry=self.registry).labels(**labels)
         self.adapter_version = Gauge("evospec:adapter_version", "Adapter version a draft replica serves with (0 = "
                                      "the base model), read from one draft replica at scrape time.",
                                      labelnames=("model_name", "mode"), registry=self.registry)
         self.model_name = model_name
 
-    def render(self, running: int, waiting: int, adapt: dict | None = None) -> bytes:
+    async def render(self, scheduler, adapt_stats: Callable[[], Awaitable[dict]] | None = None,
+                     timeout_s: float = 1.0) -> bytes:
+        """The registry's text after reading the scheduler's queues and, when a draft replica answers within
+        `timeout_s`, its adapter version (a replica starting or gone: the target's metrics still count)."""
         from prometheus_client import generate_latest
-        self.service.set_load(running, waiting)
+        self.running.set(scheduler.num_running())
+        self.waiting.set(scheduler.num_waiting())
+        try:
+            adapt = await asyncio.wait_for(adapt_stats(), timeout_s) if adapt_stats is not None else None
+        except Exception:  # noqa: BLE001
+            adapt = None
         if adapt:
             self.adapter_version.labels(model_name=self.model_name, mode=adapt["mode"]).set(adapt["version"])
         return generate_latest(self.registry)

@@ -8,7 +8,6 @@ the Draft deployment) and exposes its two fronts on Serve's two proxies:
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -68,7 +67,7 @@ class TargetDeployment:
         self.http_metrics = HttpMetrics(model_name)
         self.server.metrics = (ServiceMetrics(), self.http_metrics.service)
         self.grpc = GrpcFront(self.server)
-        self.http = OpenAIFront(self.server, cfg.public, model_name, self._render_metrics)
+        self.http = OpenAIFront(self.server, cfg.public, model_name, self.http_metrics)
         # Requests that arrive before a draft replica answers run target-only and resume speculation later.
         if not self.pool.wait_healthy(cfg.draft_link.replicas, cfg.draft_link.startup_wait_s):
             log.warning("target started with draft replicas %s", self.pool.describe())
@@ -86,16 +85,6 @@ class TargetDeployment:
     def __serve_build_asgi_app__(self):
         """Serve's HTTP proxy routes to this app (route_prefix /)."""
         return build_http_app(self.http)
-
-    async def _render_metrics(self) -> bytes:
-        """/metrics: this replica's counters, its queues now, and one draft replica's adapter version (skipped when
-        no draft replica answers within a second)."""
-        try:
-            adapt = await asyncio.wait_for(self.server.drafts.adapt_stats(), timeout=1.0)
-        except Exception:  # noqa: BLE001 - a draft replica starting or gone: the target's metrics still count
-            adapt = None
-        scheduler = self.server.scheduler
-        return self.http_metrics.render(scheduler.num_running(), scheduler.num_waiting(), adapt)
 
     async def Check(self, request, grpc_context=None):
         """grpc.health.v1.Health/Check, routed here by Serve's gRPC proxy."""

@@ -17,7 +17,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from evospec.config import Method, Retrieval, SamplingParams, TreeShape, validated
 from evospec.errors import InvalidRequestError, OverloadedError, ShuttingDownError, UnauthenticatedError
+from evospec.services.common.metrics import HttpMetrics
 from evospec.services.config import PublicApiConfig
 from evospec.services.target.ingress import max_request_bytes
 from evospec.services.target.server import (
@@ -225,12 +226,11 @@ def openai_error(exc: BaseException, request_id: str, retry_after_s: int) -> Ope
 
 
 class OpenAIFront:
-    """The OpenAI routes over a TargetServer. `render_metrics` returns the Prometheus text of this replica."""
+    """The OpenAI routes over a TargetServer; `metrics` (the replica's /metrics registry) is rendered on a scrape."""
 
     def __init__(self, server: TargetServer, public: PublicApiConfig, model_name: str,
-                 render_metrics: Callable[[], Awaitable[bytes]] | None = None):
-        self.server, self.public, self.model_name = server, public, model_name
-        self.render_metrics = render_metrics
+                 metrics: HttpMetrics | None = None):
+        self.server, self.public, self.model_name, self.http_metrics = server, public, model_name, metrics
 
     # ---- request parsing ------------------------------------------------------------------------------------------
     async def _body(self, request, model: type[BaseModel]) -> BaseModel:
@@ -309,7 +309,8 @@ class OpenAIFront:
         return JSONResponse({"status": "ok"})
 
     async def metrics(self, request):
-        text = await self.render_metrics() if self.render_metrics is not None else b""
+        text = b"" if self.http_metrics is None else \
+            await self.http_metrics.render(self.server.scheduler, self.server.drafts.adapt_stats)
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     # ---- generation -----------------------------------------------------------------------------------------------

@@ -52,11 +52,7 @@ def stack():
     server = TargetServer.from_config(cfg, DraftSide(pool, name, name, adapt_stats))
     metrics = HttpMetrics(MODEL)
     server.metrics = (metrics.service,)
-
-    async def render():
-        return metrics.render(server.scheduler.num_running(), server.scheduler.num_waiting(),
-                              await server.drafts.adapt_stats())
-    front = OpenAIFront(server, cfg.public, MODEL, render)
+    front = OpenAIFront(server, cfg.public, MODEL, metrics)
     yield build_http_app(front), server
     server.close()
     pool.close()
