@@ -118,3 +118,15 @@ def run_all(scheduler, requests) -> list[Collector]:
         scheduler.submit(prompt, sampling, spec, sink)
     scheduler.run_until_idle()
     return sinks
+
+
+def prometheus_values(text: str, ignore: tuple[str, ...] = ("model_name",)) -> dict[str, float]:
+    """Every sample of a Prometheus text exposition (prometheus_client's parser), keyed `name|label=value|...` with
+    the labels sorted and the `ignore`d ones dropped: what the /metrics tests diff before and after a request."""
+    from prometheus_client.parser import text_string_to_metric_families
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sorted((k, v) for k, v in sample.labels.items() if k not in ignore)
+            values[sample.name + "".join(f"|{k}={v}" for k, v in labels)] = sample.value
+    return values

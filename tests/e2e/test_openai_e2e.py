@@ -1,7 +1,6 @@
 """The OpenAI-compatible front through Serve's real HTTP proxy: the official `openai` client streams and
 non-streams both endpoints, greedy text through HTTP equals the gRPC SDK's, errors keep OpenAI's JSON through the
 proxy, and /metrics moves by each request's statistics while showing it running."""
-import re
 import threading
 import time
 import urllib.error
@@ -9,6 +8,8 @@ import urllib.request
 
 import openai
 import pytest
+
+from evospec.testing import prometheus_values
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -71,12 +72,7 @@ def test_errors_keep_openai_json_through_the_proxy(oai, model, base_url):
 
 def scrape(base_url) -> dict[str, float]:
     with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as r:
-        text = r.read().decode()
-    values = {}
-    for name, labels, value in re.findall(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$', text, re.M):
-        tags = sorted((k, v) for k, v in re.findall(r'(\w+)="([^"]*)"', labels) if k != "model_name")
-        values[name + "".join(f"|{k}={v}" for k, v in tags)] = float(value)
-    return values
+        return prometheus_values(r.read().decode())
 
 
 def test_metrics_scraped_during_a_generation_move_by_its_statistics(oai, model, base_url):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 
 import httpx2
 import openai
@@ -25,6 +24,7 @@ from evospec.services.target.grpc_api import GrpcFront
 from evospec.services.target.openai_api import OpenAIFront, build_http_app
 from evospec.services.target.server import DraftSide, GenerateRequest, Prompt, TargetServer
 from evospec.services.target.textstream import TextStream
+from evospec.testing import prometheus_values
 from evospec.tokenizer import load_tokenizer
 
 SECRET = "s" * 32
@@ -230,15 +230,7 @@ def test_overloaded_is_429_with_retry_after(stack, monkeypatch):
 
 
 def scrape(app) -> dict[str, float]:
-    text = run(raw(app, "GET", "/metrics", key=None)).text
-    values = {}
-    for line in text.splitlines():
-        m = re.match(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([0-9.e+-]+)$', line)
-        if m:
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-            key = m.group(1) + "".join(f"|{k}={v}" for k, v in sorted(labels.items()) if k != "model_name")
-            values[key] = float(m.group(3))
-    return values
+    return prometheus_values(run(raw(app, "GET", "/metrics", key=None)).text)
 
 
 def test_metrics_move_by_the_request_statistics_and_show_it_running(stack):
