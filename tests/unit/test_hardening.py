@@ -20,18 +20,16 @@ from hypothesis import strategies as st
 from evospec.config import SchedulerConfig
 from evospec.errors import UnauthenticatedError
 from evospec.orchestration.fuzz import INVALID, Case, Limits, Outcome, make_case
-from evospec.services.config import DraftLinkConfig, DraftServiceConfig, InternalStreamConfig, TargetServiceConfig
+from evospec.services.config import InternalStreamConfig, TargetServiceConfig
 from evospec.services.draft.server import DraftServer
 from evospec.services.draft.servicer import DraftServicer, start_draft_server
 from evospec.services.protocol.v1 import speculation_pb2 as spec_pb
 from evospec.services.protocol.v1 import speculation_pb2_grpc as spec_grpc
-from evospec.services.target.draft_link import DraftReplicas
 from evospec.services.target.grpc_api import GrpcFront
 from evospec.services.target.ingress import max_request_bytes, tolerant
 from evospec.services.target.server import DraftSide, TargetServer
 from evospec_client.api.v1 import generate_pb2 as pb
 
-SECRET = "test-secret-0123456789abcdef"
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                        HealthCheck.function_scoped_fixture])
 
@@ -56,12 +54,8 @@ class FakeContext:
 
 
 @pytest.fixture(scope="module")
-def service():
-    draft_cfg = DraftServiceConfig(internal=InternalStreamConfig(secret=SECRET))
-    draft = DraftServer.from_config(draft_cfg)
-    grpc_server, port = start_draft_server(draft, "127.0.0.1", draft_cfg.internal)
-    pool = DraftReplicas(lambda: [f"127.0.0.1:{port}"], DraftLinkConfig(secret=SECRET, step_timeout_s=10))
-    assert pool.wait_healthy(1, timeout_s=30)
+def service(tiny_draft_replica):
+    draft, port, pool = tiny_draft_replica
 
     async def name():
         return "tiny"
@@ -72,8 +66,6 @@ def service():
     limits = Limits(info.max_model_len, info.static_vocab_size, info.max_prompt_bytes, max_tokens=4)
     yield GrpcFront(target), draft, port, limits
     target.close()
-    pool.close()
-    grpc_server.stop(grace=None)
 
 
 def call(front: GrpcFront, case: Case) -> Outcome:

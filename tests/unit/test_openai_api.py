@@ -16,10 +16,7 @@ from hypothesis import strategies as st
 from evospec.config import SamplingParams, SchedulerConfig
 from evospec.errors import InvalidRequestError
 from evospec.services.common.metrics import HttpMetrics
-from evospec.services.config import DraftLinkConfig, DraftServiceConfig, InternalStreamConfig, TargetServiceConfig
-from evospec.services.draft.server import DraftServer
-from evospec.services.draft.servicer import start_draft_server
-from evospec.services.target.draft_link import DraftReplicas
+from evospec.services.config import TargetServiceConfig
 from evospec.services.target.grpc_api import GrpcFront
 from evospec.services.target.openai_api import OpenAIFront, build_http_app
 from evospec.services.target.server import DraftSide, GenerateRequest, Prompt, TargetServer
@@ -27,19 +24,14 @@ from evospec.services.target.textstream import TextStream
 from evospec.testing import prometheus_values
 from evospec.tokenizer import load_tokenizer
 
-SECRET = "s" * 32
 MODEL = "tiny-target"
 GREEDY = {"temperature": 0, "max_tokens": 24}
 PROMPT = "Does aspirin reduce the risk of myocardial infarction?"
 
 
 @pytest.fixture(scope="module")
-def stack():
-    draft_cfg = DraftServiceConfig(internal=InternalStreamConfig(secret=SECRET))
-    draft = DraftServer.from_config(draft_cfg)
-    grpc_server, port = start_draft_server(draft, "127.0.0.1", draft_cfg.internal)
-    pool = DraftReplicas(lambda: [f"127.0.0.1:{port}"], DraftLinkConfig(secret=SECRET, step_timeout_s=10))
-    assert pool.wait_healthy(1, timeout_s=30)
+def stack(tiny_draft_replica):
+    _, _, pool = tiny_draft_replica
 
     async def name():
         return "tiny"
@@ -55,8 +47,6 @@ def stack():
     front = OpenAIFront(server, cfg.public, MODEL, metrics)
     yield build_http_app(front), server
     server.close()
-    pool.close()
-    grpc_server.stop(grace=None)
 
 
 def run(coro):
