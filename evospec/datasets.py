@@ -1,11 +1,12 @@
 """Text corpora from ../shared/data (PubMedQA, Spec-Bench) and two public-domain PyPI packages (ICD-10-CM, KJV).
 
-Used by the tiny-pair trainer, the co-occurrence index, the benchmarks' prompt sets and the load tests.
+Used by the tiny-pair trainer, the co-occurrence index, the benchmarks' prompt sets, the load tests and the soak.
 """
 from __future__ import annotations
 
 import json
 import os
+import random
 from pathlib import Path
 
 HELD_OUT_PUBMEDQA = 60  # the last N PubMedQA items (by PubMed id) never enter training: benchmark prompts come from them
@@ -49,6 +50,27 @@ def spec_bench_prompts(data_dir: Path | None = None) -> list[dict]:
         rows.append({"id": row["question_id"], "category": row["category"], "prompt": row["turns"][0],
                      "turns": row["turns"]})
     return rows
+
+
+def load_prompts(dataset: str, num_prompts: int, seed: int, path: str | None = None) -> list[list[dict]]:
+    """`num_prompts` chats drawn with replacement (seeded) from a dataset: medical (PubMedQA questions), spec-bench
+    (first turns), or jsonl (your file at `path`: {"prompt": ...} or {"messages": [...]} per line)."""
+    if dataset == "medical":
+        items = [[{"role": "user", "content": it["question"]}] for it in pubmedqa_items()]
+    elif dataset == "spec-bench":
+        items = [[{"role": "user", "content": r["prompt"]}] for r in spec_bench_prompts()]
+    elif dataset == "jsonl":
+        if not path:
+            raise ValueError("--dataset jsonl needs --dataset-path")
+        items = []
+        for line in Path(path).read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                items.append(row.get("messages") or [{"role": "user", "content": row["prompt"]}])
+    else:
+        raise ValueError(f"unknown dataset {dataset!r}: medical, spec-bench or jsonl")
+    rng = random.Random(seed)
+    return [items[rng.randrange(len(items))] for _ in range(num_prompts)]
 
 
 def kjv_verses(limit: int | None = None) -> list[str]:

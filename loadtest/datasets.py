@@ -1,5 +1,5 @@
-"""Load-test prompt datasets: medical (PubMedQA questions), Spec-Bench, or your own JSONL ({"prompt": ...} or
-{"messages": [...]}, optional "max_tokens"). Output lengths: fixed, or sampled uniformly in a range."""
+"""Load-test requests: prompts (evospec.datasets.load_prompts: medical, Spec-Bench or your own JSONL) with output
+lengths fixed or sampled uniformly in a range, and their export as JSONL for other load tools."""
 from __future__ import annotations
 
 import json
@@ -14,27 +14,6 @@ class LoadRequest:
     max_tokens: int
     temperature: float = 0.0  # greedy by default; sampled load tools (guidellm) send none, i.e. OpenAI's 1.0
     ignore_eos: bool = False  # always generate max_tokens (vLLM's --ignore-eos; guidellm sends it)
-
-
-def load_prompts(dataset: str, num_prompts: int, seed: int, path: str | None = None) -> list[list[dict]]:
-    if dataset == "medical":
-        from evospec.datasets import pubmedqa_items
-        items = [[{"role": "user", "content": it["question"]}] for it in pubmedqa_items()]
-    elif dataset == "spec-bench":
-        from evospec.datasets import spec_bench_prompts
-        items = [[{"role": "user", "content": r["prompt"]}] for r in spec_bench_prompts()]
-    elif dataset == "jsonl":
-        if not path:
-            raise ValueError("--dataset jsonl needs --dataset-path")
-        items = []
-        for line in Path(path).read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                items.append(row.get("messages") or [{"role": "user", "content": row["prompt"]}])
-    else:
-        raise ValueError(f"unknown dataset {dataset!r}: medical, spec-bench or jsonl")
-    rng = random.Random(seed)
-    return [items[rng.randrange(len(items))] for _ in range(num_prompts)]
 
 
 def build_requests(prompts: list[list[dict]], output_len: int, output_len_range: tuple[int, int] | None,

@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from evospec.loadtest.datasets import LoadRequest, build_requests, load_prompts, write_jsonl
+from evospec.datasets import load_prompts
+from evospec.loadtest.datasets import LoadRequest, build_requests, write_jsonl
 from evospec_client import AsyncEvoSpecClient, EvoSpecClientError
 
 

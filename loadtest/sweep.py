@@ -16,7 +16,8 @@ import json
 from pathlib import Path
 
 from evospec.config import METHODS
-from evospec.loadtest.datasets import build_requests, load_prompts
+from evospec.datasets import load_prompts
+from evospec.loadtest.datasets import build_requests
 from evospec.loadtest.run import run_load, summarize
 
 

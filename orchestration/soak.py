@@ -77,7 +77,7 @@ def _worker(address: str, prompts: list, max_tokens: int, worker: int, stop: thr
 
 def run_soak(address: str, duration_s: float, concurrency: int, interval_s: float = 10.0, max_tokens: int = 64,
              num_prompts: int = 16, token: str | None = None, app_name: str = "evospec") -> dict:
-    from evospec.loadtest.datasets import load_prompts
+    from evospec.datasets import load_prompts
     prompts = load_prompts("medical", num_prompts, seed=0)
     processes = replica_processes(app_name)
     state, stop = SoakState(), threading.Event()

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from evospec.loadtest.datasets import build_requests, load_prompts
+from evospec.datasets import load_prompts
+from evospec.loadtest.datasets import build_requests
 from evospec.loadtest.run import main as loadtest_main
 from evospec.loadtest.run import run_load, summarize
 from evospec.loadtest.sweep import plot, sweep, table

@@ -1,5 +1,20 @@
 """Packaging and layering: every package folder is installed under the evospec namespace, the committed gRPC code
-matches the protos, imports run one way (orchestration -> services -> core), and the client SDK is light."""
+matches the protos, imports run one way, and the client SDK is light.
+
+The layering rule (imports point down only; test_imports_run_one_way):
+
+    bench -> loadtest -> orchestration -> services -> core (evospec, kernels)
+
+- core: the engine, models, vocabularies and shared data helpers (e.g. the prompt datasets, evospec.datasets).
+- services: the Draft and Target servers and deployments.
+- orchestration: the deployment (config, app, the local runner in orchestration/local.py) and the ops tools that
+  drive it (chaos, fuzz, soak).
+- loadtest: the load generator; its sweep starts the service through orchestration's local runner.
+- bench: the benchmark suites; they start the service through orchestration and load it with loadtest's generator.
+Code that a lower layer needs from a higher one moves down (soak's prompts come from evospec.datasets, not loadtest).
+The one upward reach is the `evospec` CLI (orchestration/cli.py): it runs loadtest's and bench's `main` by module
+name at run time (passthrough_module), never through an import statement.
+"""
 import ast
 import subprocess
 import sys
@@ -45,12 +60,21 @@ def imported_modules(path: Path) -> set[str]:
     return modules
 
 
+# the layers above the core, bottom to top (the module docstring's rule)
+LAYERS = ("evospec.services", "evospec.orchestration", "evospec.loadtest", "evospec.bench")
+
+
+def above(layer: str) -> tuple[str, ...]:
+    return LAYERS[LAYERS.index(layer) + 1:]
+
+
 # folder -> import prefixes its files must not use (generated code excluded)
 FORBIDDEN = {
-    "evospec": ("ray", "grpc", "grpc_health", "evospec_client", "evospec.services", "evospec.orchestration",
-                "evospec.bench", "evospec.loadtest"),
-    "kernels": ("ray", "grpc", "evospec.services", "evospec.orchestration"),
-    "services": ("evospec.orchestration", "evospec.bench", "evospec.loadtest"),
+    "evospec": ("ray", "grpc", "grpc_health", "evospec_client", *LAYERS),
+    "kernels": ("ray", "grpc", *LAYERS),
+    "services": above("evospec.services"),
+    "orchestration": above("evospec.orchestration"),
+    "loadtest": above("evospec.loadtest"),
 }
 
 
