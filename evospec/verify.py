@@ -104,7 +104,8 @@ def verify_batch(trees: Sequence[DraftTree], logits: torch.Tensor, samplings: Se
     logits: [sum_i (1 + n_i), V], request i's rows (root, then its n_i nodes) packed after request i-1's, as one
     batched target forward returns them. Greedy requests share one argmax over all their rows; each sampled request
     runs the rejection sampler above on its own rows with its own generator (the same draws, in the same order, as
-    verifying it alone). `verify_greedy` / `verify_stochastic` are the reference (tests/unit/test_batching.py).
+    verifying it alone). `verify_greedy` / `verify_stochastic` are the reference (tests/unit/test_scheduler.py;
+    the references themselves: tests/unit/test_kernels_exact.py, tests/unit/test_sampling_distribution.py).
     """
     offsets = [0]
     for tree in trees:

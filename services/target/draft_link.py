@@ -160,14 +160,11 @@ class DraftReplicas:
         except Exception as exc:  # noqa: BLE001 - Serve busy or restarting: keep what we know, try again later
             log.warning("draft discovery failed: %s", exc)
             return
-        now = time.monotonic()
         with self._lock:
             if self._closed:
                 return
             for address in addresses:
-                if address in self._replicas:
-                    self._replicas[address].last_seen = now
-                else:
+                if address not in self._replicas:
                     channel = authenticated_channel(address, self.link.secret, INTERNAL_CHANNEL_OPTIONS)
                     timing = StepTiming(token_s=self.link.prefill_token_s, floor_s=self.link.step_timeout_s,
                                         cap_s=self.link.max_step_timeout_s)
