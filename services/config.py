@@ -119,6 +119,5 @@ class TargetServiceConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=2)  # None = the model's max_position_embeddings
     default_spec: SpecParams = SpecParams()  # what a request that names no method/shape/sizes gets
     scheduler: SchedulerConfig = SchedulerConfig()  # continuous batching: KV arena, running/waiting limits, chunking
-    internal_timeout_s: float = Field(600.0, gt=0)  # deadline of a per-generation draft stream (per-request loop)
     draft_link: DraftLinkConfig = DraftLinkConfig()  # finding, timing out and reconnecting draft replicas
     public: PublicApiConfig = PublicApiConfig()  # authentication and size limits of the public API

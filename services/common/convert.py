@@ -15,16 +15,16 @@ from evospec.verify import VerifyResult
 from evospec.vocab.dynamic import SlotChange
 
 
-def start_to_proto(session_id: str, request: DraftRequest) -> spec_pb.TargetToDraft:
+def start_to_proto(session_id: str, request: DraftRequest) -> spec_pb.StartSession:
     s, t, v = request.sampling, request.spec.tree, request.spec.vocab
-    return spec_pb.TargetToDraft(start=spec_pb.StartSession(
+    return spec_pb.StartSession(
         session_id=session_id, prompt_token_ids=request.prompt_ids,
         sampling=spec_pb.DraftSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k),
         tree=spec_pb.DraftTreeShape(shape=t.shape, num_draft_tokens=t.num_draft_tokens, depth=t.depth,
                                     branching=t.branching, budget=t.budget),
         vocab=spec_pb.DraftVocab(method=request.spec.method, static_size=v.static_size, dynamic_size=v.dynamic_size,
                                  retrieval=list(v.retrieval)),
-        seed=request.seed, max_len=request.max_len, predraft=request.spec.predraft))
+        seed=request.seed, max_len=request.max_len, predraft=request.spec.predraft)
 
 
 def start_from_proto(start: spec_pb.StartSession) -> DraftRequest:
@@ -44,11 +44,14 @@ def start_from_proto(start: spec_pb.StartSession) -> DraftRequest:
     return DraftRequest(list(start.prompt_token_ids), sampling, spec, start.max_len, start.seed)
 
 
-def tree_to_proto(tree: DraftTree, changes: list[SlotChange]) -> spec_pb.DraftToTarget:
-    msg = spec_pb.DraftToTarget(token_ids=tree.token_ids.tolist(), parents=tree.parents.tolist(),
-                                buffer_changes=[slot_change_to_proto(c) for c in changes])
-    for node, probs in tree.draft_probs.items():
-        msg.draft_probs.add(node=node, probs=probs.float().cpu().tolist())
+def reply_to_proto(tree: DraftTree | None, changes: list[SlotChange]) -> spec_pb.SessionReply:
+    """A session's buffer changes and, when it drafted one, its tree."""
+    msg = spec_pb.SessionReply(buffer_changes=[slot_change_to_proto(c) for c in changes])
+    if tree is not None:
+        msg.token_ids.extend(tree.token_ids.tolist())
+        msg.parents.extend(tree.parents.tolist())
+        for node, probs in tree.draft_probs.items():
+            msg.draft_probs.add(node=node, probs=probs.float().cpu().tolist())
     return msg
 
 
@@ -56,7 +59,7 @@ def slot_change_to_proto(change: SlotChange) -> spec_pb.SlotChange:
     return spec_pb.SlotChange(slot=change.slot, token_id=change.token_id, source=change.source)
 
 
-def tree_from_proto(msg: spec_pb.DraftToTarget, active_ids: torch.Tensor | None,
+def tree_from_proto(msg: spec_pb.SessionReply, active_ids: torch.Tensor | None,
                     device: torch.device | str = "cpu") -> DraftTree:
     """The tree as the target's verification expects it, like an in-process draft's: token ids and parents on the
     CPU, the draft distributions and A's ids on the target's `device` (the boundary where wire data meets it)."""
@@ -67,11 +70,11 @@ def tree_from_proto(msg: spec_pb.DraftToTarget, active_ids: torch.Tensor | None,
 
 
 def outcome_to_proto(result: VerifyResult, candidates: dict[int, float],
-                     teacher: TeacherSignal | None = None) -> spec_pb.TargetToDraft:
-    return spec_pb.TargetToDraft(outcome=spec_pb.Outcome(
+                     teacher: TeacherSignal | None = None) -> spec_pb.Outcome:
+    return spec_pb.Outcome(
         accepted_nodes=result.accepted_nodes, accepted_tokens=result.accepted_tokens, bonus_token=result.bonus_token,
         buffer_candidates=[spec_pb.BufferCandidate(token_id=t, score=s) for t, s in candidates.items()],
-        teacher=teacher_to_proto(teacher) if teacher is not None else None))
+        teacher=teacher_to_proto(teacher) if teacher is not None else None)
 
 
 def outcome_from_proto(o: spec_pb.Outcome) -> tuple[VerifyResult, dict[int, float], TeacherSignal | None]:
@@ -111,9 +114,9 @@ def session_op_to_proto(session_id: str, kind: str, request: DraftRequest | None
                         result: VerifyResult | None = None, candidates: dict[int, float] | None = None,
                         teacher: TeacherSignal | None = None) -> spec_pb.SessionOp:
     if kind == "start":
-        return spec_pb.SessionOp(session_id=session_id, start=start_to_proto(session_id, request).start)
+        return spec_pb.SessionOp(session_id=session_id, start=start_to_proto(session_id, request))
     if kind == "outcome":
-        return spec_pb.SessionOp(session_id=session_id, outcome=outcome_to_proto(result, candidates or {}, teacher).outcome)
+        return spec_pb.SessionOp(session_id=session_id, outcome=outcome_to_proto(result, candidates or {}, teacher))
     return spec_pb.SessionOp(session_id=session_id, close=True)
 
 

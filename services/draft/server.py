@@ -1,8 +1,8 @@
 """Transport-free draft server: the draft engine, the vocabulary policies and the open sessions of one replica.
 
-The gRPC servicer (services/draft/servicer.py) converts the internal streams' messages: a per-generation stream calls
-`open`, `step` and `close`; a target replica's multiplexed stream calls `run_step` once per engine step, which
-applies every session's ops and drafts all their trees with one packed forward per tree level.
+The gRPC servicer (services/draft/servicer.py) converts the internal stream's messages: a target replica's
+multiplexed stream calls `run_step` once per engine step, which applies every session's ops and drafts all their
+trees with one packed forward per tree level.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from evospec.adapt import Learner, TeacherSignal, build_learner
 from evospec.config import SamplingParams, SpecParams
-from evospec.engine.budget import clip_depth, tree_depth
+from evospec.engine.budget import clip_depth
 from evospec.engine.draft import DraftEngine, DraftSession
 from evospec.engine.drafter import DraftRequest
 from evospec.errors import InvalidRequestError, OverloadedError
@@ -30,15 +30,6 @@ from evospec.vocab.registry import VocabPolicies
 from evospec.vocab.retrieval import TargetFeedback
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class DraftReply:
-    """One tree for the target, with the buffer slot changes applied before drafting it and the session's totals."""
-    tree: DraftTree
-    changes: list[SlotChange]
-    head_seconds: float  # draft LM-head time so far
-    buffer_update_seconds: float  # draft-side buffer update time so far
 
 
 @dataclass
@@ -160,17 +151,6 @@ class DraftServer:
         with self._lock:
             return len(self._sessions)
 
-    def open(self, session_id: str, request: DraftRequest) -> DraftReply:
-        """Start a session (prefill happens in the first propose) and draft its first tree."""
-        session = self._create(session_id, request, predraft=False)  # a per-generation stream never pre-drafts
-        return self._reply(session, session.draft.vocab.initial_changes)
-
-    def step(self, session_id: str, result: VerifyResult, candidates: dict[int, float],
-             teacher: TeacherSignal | None = None) -> DraftReply:
-        """Commit the verified step, update the buffer (target-fed candidates first), draft the next tree."""
-        session = self._get(session_id)
-        return self._reply(session, self._advance(session, result, candidates, teacher))
-
     def run_step(self, ops: list[Op], work: dict[str, tuple[int, int]]) -> dict[str, SessionStep]:
         """One engine step of a target replica: ops in order, then trees (depth > 0) and prefill chunks for `work`
         ({session id: (depth, prefill tokens)}) in one packed forward per level. Session ids are the caller's
@@ -262,11 +242,11 @@ class DraftServer:
         session.update_seconds += time.perf_counter() - start
         return changes
 
-    def _create(self, session_id: str, request: DraftRequest, predraft: bool = True) -> _Session:
+    def _create(self, session_id: str, request: DraftRequest) -> _Session:
         if request.spec.method == "ar":
             raise InvalidRequestError("start.vocab.method", "'ar' drafts nothing; it never opens a draft session")
         self._check_sizes(request)
-        wants = predraft and request.spec.predraft and request.sampling.greedy  # pre-drafting is greedy-only
+        wants = request.spec.predraft and request.sampling.greedy  # pre-drafting is greedy-only
         hypotheses = self.predraft_hypotheses if wants else 0
         tokens = DraftEngine.cache_tokens(request.max_len, request.spec.tree, hypotheses)
         with self._lock:
@@ -384,8 +364,3 @@ class DraftServer:
         if session is None:
             raise InvalidRequestError("session_id", f"{session_id!r} is not open")
         return session
-
-    def _reply(self, session: _Session, changes: list[SlotChange]) -> DraftReply:
-        self._check_work(session.draft, tree_depth(session.draft.tree_params), 0)
-        tree = self.engine.propose(session.draft)
-        return DraftReply(tree, changes, session.draft.head_seconds, session.update_seconds)

@@ -1,6 +1,5 @@
 """gRPC front of the draft server (evospec.internal.v1): `SpeculateBatch`, one multiplexed stream per target
-replica carrying every session of its engine steps (what the service uses), and `Speculate`, one stream per
-generation (the per-request loop's remote drafter).
+replica carrying every session of its engine steps.
 
 Runs on a plain `grpc.server` (thread pool) inside the draft replica: each stream's handler thread owns its sessions,
 so different target replicas' work runs in parallel threads and a message costs ~0.2 ms. It only converts messages
@@ -20,27 +19,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from evospec.errors import InvalidRequestError, OverloadedError
 from evospec.services.common.auth import BearerAuthInterceptor
-from evospec.services.common.convert import (
-    outcome_from_proto,
-    session_op_from_proto,
-    slot_change_to_proto,
-    start_from_proto,
-    tree_to_proto,
-)
+from evospec.services.common.convert import reply_to_proto, session_op_from_proto
 from evospec.services.common.errors import public_details, set_status, status_for
 from evospec.services.config import INTERNAL_CHANNEL_OPTIONS, InternalStreamConfig
-from evospec.services.draft.server import DraftReply, DraftServer, Op, SessionStep
+from evospec.services.draft.server import DraftServer, Op, SessionStep
 from evospec.services.protocol.v1 import speculation_pb2 as spec_pb
 from evospec.services.protocol.v1 import speculation_pb2_grpc as spec_grpc
 
 log = logging.getLogger(__name__)
-
-
-def reply_to_proto(reply: DraftReply) -> spec_pb.DraftToTarget:
-    msg = tree_to_proto(reply.tree, reply.changes)
-    msg.head_seconds = reply.head_seconds
-    msg.buffer_update_seconds = reply.buffer_update_seconds
-    return msg
 
 
 class IdleWatch:
@@ -159,34 +145,6 @@ class DraftServicer(spec_grpc.DraftServicer):
         self.idle = IdleWatch(limits.idle_timeout_s)
         self.backlog = Backlog()
 
-    def Speculate(self, request_iterator, context):
-        # A server-side key: two callers reusing a session id can never share (or close) each other's session.
-        key = uuid.uuid4().hex
-        session_id = None
-        self.idle.touch(context)
-        try:
-            first = next(request_iterator, None)
-            if first is None or first.WhichOneof("kind") != "start":
-                raise InvalidRequestError("start", "the first message of a Speculate stream must be StartSession")
-            session_id = first.start.session_id
-            first_tree = reply_to_proto(self.server.open(key, start_from_proto(first.start)))
-            first_tree.static_vocab_sha = self.server.static_vocab_sha
-            yield first_tree
-            for msg in request_iterator:
-                self.idle.touch(context)
-                if msg.WhichOneof("kind") != "outcome":
-                    raise InvalidRequestError("outcome", "every message after StartSession must be an Outcome")
-                if msg.outcome.finished:
-                    break
-                yield reply_to_proto(self.server.step(key, *outcome_from_proto(msg.outcome)))
-        except grpc.RpcError:
-            pass  # the caller cancelled or went away (or the idle watch closed the stream): nobody to tell
-        except Exception as exc:  # one status per failure, never a crash of the server
-            set_status(context, exc, session_id or "")
-        finally:
-            self.idle.forget(context)
-            self.server.close(key)
-
     def SpeculateBatch(self, request_iterator, context):
         # Session ids are the caller's keys, namespaced per stream: callers cannot reach each other's sessions.
         prefix = uuid.uuid4().hex + "/"
@@ -252,8 +210,7 @@ def session_to_proto(session_id: str, step: SessionStep) -> spec_pb.SessionDraft
             log.error("draft session %s failed", session_id, exc_info=step.error)
         return spec_pb.SessionDraft(session_id=session_id, error=public_details(step.error, session_id),
                                     error_code=code.name)
-    reply = tree_to_proto(step.tree, step.changes) if step.tree is not None else \
-        spec_pb.DraftToTarget(buffer_changes=[slot_change_to_proto(c) for c in step.changes])
+    reply = reply_to_proto(step.tree, step.changes)
     reply.head_seconds, reply.buffer_update_seconds = step.head_seconds, step.buffer_update_seconds
     return spec_pb.SessionDraft(session_id=session_id, reply=reply, has_tree=step.tree is not None,
                                 predrafted=step.predrafted)

@@ -1,6 +1,5 @@
 """Target side of the internal protocol: `RemoteMuxDrafter`, the scheduler's drafts over one multiplexed stream per
-draft replica (SpeculateBatch), spread over the healthy replicas that `DraftReplicas` (draft_link.py) finds; and
-`RemoteDrafter`, a per-request loop's draft over one stream per generation (Speculate).
+draft replica (SpeculateBatch), spread over the healthy replicas that `DraftReplicas` (draft_link.py) finds.
 
 The target drives: it opens sessions with the prompt, sends each verified step's outcome (accepted path, bonus,
 target-fed buffer candidates) and gets trees back with the buffer slot changes the draft applied before drafting
@@ -26,12 +25,7 @@ from evospec.engine.stats import SpecStats
 from evospec.engine.target import VerifiedStep
 from evospec.errors import EvoSpecError
 from evospec.kernels.tree import tree_depths
-from evospec.services.common.convert import (
-    outcome_to_proto,
-    session_op_to_proto,
-    start_to_proto,
-    tree_from_proto,
-)
+from evospec.services.common.convert import session_op_to_proto, tree_from_proto
 from evospec.services.protocol.v1 import speculation_pb2 as spec_pb
 from evospec.services.protocol.v1 import speculation_pb2_grpc as spec_grpc
 from evospec.services.target.draft_link import DraftReplica, DraftReplicas
@@ -99,62 +93,6 @@ def stream_error(err: grpc.RpcError) -> DraftStreamError:
 def vocab_mismatch(draft_sha: str, target_sha: str) -> DraftStreamError:
     return DraftStreamError(f"draft and target use different static vocabularies ({draft_sha} vs {target_sha})",
                             "FAILED_PRECONDITION")
-
-
-class RemoteDrafter:
-    """One generation's end of a per-generation `Speculate` stream (the per-request loop's remote draft). Sending
-    never waits: Start on creation and each Outcome in `observe`; `propose` reads the draft's reply."""
-
-    def __init__(self, stub: spec_grpc.DraftStub, session_id: str, request: DraftRequest, mirror: ActiveSetMirror,
-                 wants_candidates: bool, static_vocab_sha: str, timeout_s: float, device: torch.device | str = "cpu"):
-        self.mirror = mirror
-        self.device = device
-        self.wants_candidates = wants_candidates
-        self.static_vocab_sha = static_vocab_sha
-        self._feedback_seconds = 0.0  # target-side share of the buffer update (misses, candidates)
-        self._requests: queue.Queue = queue.Queue()
-        self._requests.put(start_to_proto(session_id, request))
-        self._call = stub.Speculate(iter(self._requests.get, None), timeout=timeout_s)
-        self._first = True
-        self._stats: SpecStats | None = None  # the generation's statistics, updated as replies arrive
-
-    def _receive(self) -> spec_pb.DraftToTarget:
-        try:
-            msg = next(self._call)
-        except grpc.RpcError as err:  # draft failure, deadline, cancellation
-            raise stream_error(err) from None
-        if self._first:
-            self._first = False
-            if self.static_vocab_sha and msg.static_vocab_sha and msg.static_vocab_sha != self.static_vocab_sha:
-                self.close()
-                raise vocab_mismatch(msg.static_vocab_sha, self.static_vocab_sha)
-        self.mirror.apply(msg.buffer_changes)  # applied by the draft before it drafted this tree
-        if self._stats is not None:
-            self._stats.buffer_updates += sum(1 for c in msg.buffer_changes if c.token_id >= 0)
-            self._stats.draft_head_seconds = msg.head_seconds
-            self._stats.buffer_update_seconds = self._feedback_seconds + msg.buffer_update_seconds
-        return msg
-
-    def propose(self) -> DraftTree:
-        """The tree for the current state (waits for the draft's reply to Start or to the last outcome)."""
-        msg = self._receive()
-        return tree_from_proto(msg, self.mirror.row_ids.clone() if msg.draft_probs else None, self.device)
-
-    def observe(self, verified: VerifiedStep, stats: SpecStats) -> None:
-        """Send the step's outcome; the draft commits it and drafts the next tree meanwhile."""
-        self._stats = stats
-        candidates = {}
-        if self.mirror.restricted:
-            start = time.perf_counter()
-            candidates = feedback_for(verified, self.mirror.mask, self.wants_candidates, stats,
-                                      self.mirror.source_of).candidates
-            self._feedback_seconds += time.perf_counter() - start
-        self._requests.put(outcome_to_proto(verified.result, candidates))
-
-    def close(self) -> None:
-        self._requests.put(spec_pb.TargetToDraft(outcome=spec_pb.Outcome(finished=True)))
-        self._requests.put(None)
-        self._call.cancel()  # frees the draft session at once, even if it is mid-tree
 
 
 class _MuxStream:
@@ -426,15 +364,3 @@ def checked_tree(tree: DraftTree, params: TreeParams) -> DraftTree:
     if tree.size and int(tree_depths(tree.parents).max()) > tree_depth(params):
         raise ValueError(f"tree deeper than the {tree_depth(params)} levels asked for")
     return tree
-
-
-def open_remote_drafter(replicas: DraftReplicas, session_id: str, request: DraftRequest, layout: ActiveLayout,
-                        vocab_size: int, static_vocab_sha: str, timeout_s: float,
-                        device: torch.device | str = "cpu") -> RemoteDrafter:
-    """A per-generation stream (the per-request loop) on the first healthy draft replica."""
-    healthy = replicas.healthy()
-    if not healthy:
-        raise DraftStreamError("draft: no draft replica is reachable", "UNAVAILABLE")
-    mirror = ActiveSetMirror(layout.static_ids, layout.dynamic_size, vocab_size)
-    return RemoteDrafter(healthy[0].stub, session_id, request, mirror, layout.target_feedback, static_vocab_sha,
-                         timeout_s, device)

@@ -21,7 +21,7 @@ from evospec.config import SchedulerConfig
 from evospec.errors import UnauthenticatedError
 from evospec.orchestration.fuzz import INVALID, Case, Limits, Outcome, make_case
 from evospec.services.config import InternalStreamConfig, TargetServiceConfig
-from evospec.services.draft.server import DraftServer
+from evospec.services.draft.server import DraftServer, Op
 from evospec.services.draft.servicer import DraftServicer, start_draft_server
 from evospec.services.protocol.v1 import speculation_pb2 as spec_pb
 from evospec.services.protocol.v1 import speculation_pb2_grpc as spec_grpc
@@ -135,13 +135,18 @@ def test_out_of_vocabulary_buffer_candidates_fail_their_session_as_invalid_argum
     from evospec.errors import InvalidRequestError
     from evospec.verify import VerifyResult
     _, draft, _, _ = service
-    draft.open("cand", DraftRequest([3, 4, 5], SamplingParams(), SpecParams(), 64, 0))
-    try:
-        for candidates in ({10**9: 1.0}, {5: float("nan")}):
-            with pytest.raises(InvalidRequestError, match="buffer_candidates"):
-                draft.step("cand", VerifyResult([], [], 7), candidates)
-    finally:
-        draft.close("cand")
+    for candidates in ({10**9: 1.0}, {5: float("nan")}):
+        open_session(draft, "cand", DraftRequest([3, 4, 5], SamplingParams(), SpecParams(), 64, 0))
+        step = draft.run_step([Op("cand", "outcome", result=VerifyResult([], [], 7), candidates=candidates)], {})
+        assert isinstance(step["cand"].error, InvalidRequestError) and "buffer_candidates" in str(step["cand"].error)
+        assert draft.num_sessions() == 0  # the failing op ended its session
+
+
+def open_session(draft: DraftServer, key: str, request) -> None:
+    """Open one session through the stream's entry point; its error, if any, raised."""
+    error = draft.run_step([Op(key, "start", request)], {})[key].error
+    if error is not None:
+        raise error
 
 
 # ---- the internal stream ---------------------------------------------------------------------------------------
@@ -259,14 +264,14 @@ def test_draft_kv_memory_and_policy_cache_are_bounded():
     policies = VocabPolicies(model.head_weight, torch.arange(64), max_cache_bytes=40 * 32 * 4)  # ~40 head rows
     draft = DraftServer(DraftEngine(model), policies, "sha", max_kv_tokens=300)
     request = DraftRequest([3, 4, 5], SamplingParams(), SpecParams(method="sd"), 100, 0)
-    draft.open("a", request)
-    draft.open("b", request)
+    open_session(draft, "a", request)
+    open_session(draft, "b", request)
     with pytest.raises(OverloadedError):
-        draft.open("c", request)
+        open_session(draft, "c", request)
     draft.close("a")
-    draft.open("c", request)  # the closed session's slots came back
+    open_session(draft, "c", request)  # the closed session's slots came back
     with pytest.raises(InvalidRequestError, match="max_len"):
-        draft.open("d", DraftRequest([3], SamplingParams(), SpecParams(method="sd"), 10**6, 0))
+        open_session(draft, "d", DraftRequest([3], SamplingParams(), SpecParams(method="sd"), 10**6, 0))
     for size in range(1, 40):  # each fits the bound alone (the newest policy is always kept)
         policies.get(SpecParams(method="frspec", vocab={"static_size": size, "dynamic_size": 0}))
     assert policies.cache_bytes() <= policies.max_cache_bytes

@@ -23,7 +23,7 @@ from evospec.services.config import DraftLinkConfig
 from evospec.services.draft.server import DraftServer
 from evospec.services.draft.servicer import start_draft_server
 from evospec.services.target.draft_link import DraftReplicas
-from evospec.services.target.remote_draft import DraftStreamError, RemoteMuxDrafter, open_remote_drafter
+from evospec.services.target.remote_draft import RemoteMuxDrafter
 from evospec.services.target.server import DraftSide, FinishedEvent, GenerateRequest, Prompt, TargetServer
 from evospec.testing import RandomDepth, random_pair
 from evospec.tokenizer import load_tokenizer
@@ -55,11 +55,6 @@ def setup():
     grpc_server.stop(grace=None)
 
 
-def remote_factory(pool: DraftReplicas, decoder: SpeculativeDecoder, session_id: str = "req-1", sha: str = "sha"):
-    return lambda request: open_remote_drafter(pool, session_id, request, decoder.policies.layout(request.spec), VOCAB,
-                                               sha, timeout_s=30)
-
-
 def wait_closed(draft_server: DraftServer) -> None:
     deadline = time.monotonic() + 10  # the draft frees the session when it sees the stream end (asynchronously)
     while draft_server.num_sessions() and time.monotonic() < deadline:
@@ -75,31 +70,54 @@ CASES = [
 ]
 
 
+def generate_over_the_stream(decoder: SpeculativeDecoder, pool: DraftReplicas, prompt: list[int],
+                             sampling: SamplingParams, spec: SpecParams, sha: str = "sha"):
+    """One generation through the scheduler (adaptive off: every step drafts the request's full tree, as the
+    per-request loop does) with its drafts from the draft server over SpeculateBatch -> (tokens, last event)."""
+    drafter = RemoteMuxDrafter(pool, decoder.policies.layout, VOCAB, sha)
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, adaptive=False), drafter)
+    events = []
+    scheduler.submit(prompt, sampling, spec, events.append)
+    scheduler.run_until_idle()
+    drafter.flush()  # the last step's close reaches the draft
+    drafter.shutdown()
+    tokens = [t for e in events if isinstance(e, TokensOut) for t in e.token_ids]
+    return tokens, events[-1]
+
+
 @pytest.mark.parametrize("method,sampling", CASES, ids=[f"{m}-T{s.temperature}" for m, s in CASES])
 @pytest.mark.parametrize("tree", [TreeParams(shape="chain", num_draft_tokens=3),
                                   TreeParams(shape="tree", depth=3, branching=2, budget=7)], ids=["chain", "tree"])
 def test_remote_equals_local(setup, method, sampling, tree):
+    """The draft behind the stream drafts exactly what the in-process draft of the per-request loop drafts: same
+    tokens (greedy and seeded sampling) and the same counted statistics, buffer updates and misses included."""
     local, remote_only, pool, draft_server, _ = setup
     spec = SpecParams(method=method, tree=tree, vocab={"static_size": 32, "dynamic_size": 8})
     a = local.generate([4, 50, 51, 7], sampling, spec)
-    b = remote_only.generate([4, 50, 51, 7], sampling, spec, drafter_factory=remote_factory(pool, remote_only))
-    list(a), list(b)
-    assert b.output_ids == a.output_ids
+    list(a)
+    tokens, finished = generate_over_the_stream(remote_only, pool, [4, 50, 51, 7], sampling, spec)
+    assert isinstance(finished, Finished), finished
+    assert tokens == a.output_ids
     for key in COUNTED:
-        assert getattr(b.stats, key) == getattr(a.stats, key), key
-    assert b.stats.draft_head_seconds > 0  # measured on the draft side, reported over the stream
+        assert getattr(finished.stats, key) == getattr(a.stats, key), key
+    assert finished.stats.fallback_steps == 0
+    assert finished.stats.draft_head_seconds > 0  # measured on the draft side, reported over the stream
     if method == "evospec":
-        assert b.stats.buffer_update_seconds > 0
+        assert finished.stats.buffer_update_seconds > 0
     wait_closed(draft_server)
 
 
 def test_mismatched_static_vocabulary_is_refused(setup):
-    _, remote_only, pool, draft_server, _ = setup
-    gen = remote_only.generate([4, 5], SamplingParams(max_tokens=4),
-                               SpecParams(method="frspec", vocab={"static_size": 32}),
-                               drafter_factory=remote_factory(pool, remote_only, "req-2", sha="other"))
-    with pytest.raises(DraftStreamError, match="different static vocabularies"):
-        list(gen)
+    """A draft replica with another static vocabulary never drafts for this target: the generation runs target-only
+    from its first step, its statistics say why, and it never tries to resume (a reconnect cannot fix it)."""
+    local, remote_only, pool, draft_server, _ = setup
+    sampling = SamplingParams(max_tokens=8, ignore_eos=True)
+    tokens, finished = generate_over_the_stream(remote_only, pool, [4, 5], sampling,
+                                                SpecParams(method="frspec", vocab={"static_size": 32}), sha="other")
+    assert isinstance(finished, Finished), finished
+    assert tokens == ar_tokens(local, [4, 5], 8)
+    assert "different static vocabularies" in finished.stats.fallback_reason
+    assert finished.stats.fallback_steps == finished.stats.steps and finished.stats.draft_resumes == 0
     wait_closed(draft_server)
 
 

@@ -72,20 +72,18 @@ class BufferCandidate(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., score: _Optional[float] = ...) -> None: ...
 
 class Outcome(_message.Message):
-    __slots__ = ("accepted_nodes", "accepted_tokens", "bonus_token", "buffer_candidates", "finished", "teacher")
+    __slots__ = ("accepted_nodes", "accepted_tokens", "bonus_token", "buffer_candidates", "teacher")
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     BUFFER_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_FIELD_NUMBER: _ClassVar[int]
     TEACHER_FIELD_NUMBER: _ClassVar[int]
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
     accepted_tokens: _containers.RepeatedScalarFieldContainer[int]
     bonus_token: int
     buffer_candidates: _containers.RepeatedCompositeFieldContainer[BufferCandidate]
-    finished: bool
     teacher: TeacherSignal
-    def __init__(self, accepted_nodes: _Optional[_Iterable[int]] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., buffer_candidates: _Optional[_Iterable[_Union[BufferCandidate, _Mapping]]] = ..., finished: _Optional[bool] = ..., teacher: _Optional[_Union[TeacherSignal, _Mapping]] = ...) -> None: ...
+    def __init__(self, accepted_nodes: _Optional[_Iterable[int]] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., buffer_candidates: _Optional[_Iterable[_Union[BufferCandidate, _Mapping]]] = ..., teacher: _Optional[_Union[TeacherSignal, _Mapping]] = ...) -> None: ...
 
 class TeacherSignal(_message.Message):
     __slots__ = ("k", "token_ids", "logprobs")
@@ -96,14 +94,6 @@ class TeacherSignal(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: bytes
     def __init__(self, k: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bytes] = ...) -> None: ...
-
-class TargetToDraft(_message.Message):
-    __slots__ = ("start", "outcome")
-    START_FIELD_NUMBER: _ClassVar[int]
-    OUTCOME_FIELD_NUMBER: _ClassVar[int]
-    start: StartSession
-    outcome: Outcome
-    def __init__(self, start: _Optional[_Union[StartSession, _Mapping]] = ..., outcome: _Optional[_Union[Outcome, _Mapping]] = ...) -> None: ...
 
 class SlotChange(_message.Message):
     __slots__ = ("slot", "token_id", "source")
@@ -123,23 +113,21 @@ class ProbRow(_message.Message):
     probs: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, node: _Optional[int] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
-class DraftToTarget(_message.Message):
-    __slots__ = ("token_ids", "parents", "draft_probs", "buffer_changes", "static_vocab_sha", "head_seconds", "buffer_update_seconds")
+class SessionReply(_message.Message):
+    __slots__ = ("token_ids", "parents", "draft_probs", "buffer_changes", "head_seconds", "buffer_update_seconds")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     BUFFER_CHANGES_FIELD_NUMBER: _ClassVar[int]
-    STATIC_VOCAB_SHA_FIELD_NUMBER: _ClassVar[int]
     HEAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BUFFER_UPDATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedCompositeFieldContainer[ProbRow]
     buffer_changes: _containers.RepeatedCompositeFieldContainer[SlotChange]
-    static_vocab_sha: str
     head_seconds: float
     buffer_update_seconds: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[ProbRow, _Mapping]]] = ..., buffer_changes: _Optional[_Iterable[_Union[SlotChange, _Mapping]]] = ..., static_vocab_sha: _Optional[str] = ..., head_seconds: _Optional[float] = ..., buffer_update_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[ProbRow, _Mapping]]] = ..., buffer_changes: _Optional[_Iterable[_Union[SlotChange, _Mapping]]] = ..., head_seconds: _Optional[float] = ..., buffer_update_seconds: _Optional[float] = ...) -> None: ...
 
 class SessionOp(_message.Message):
     __slots__ = ("session_id", "start", "outcome", "close")
@@ -180,12 +168,12 @@ class SessionDraft(_message.Message):
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     PREDRAFTED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    reply: DraftToTarget
+    reply: SessionReply
     has_tree: bool
     error: str
     error_code: str
     predrafted: bool
-    def __init__(self, session_id: _Optional[str] = ..., reply: _Optional[_Union[DraftToTarget, _Mapping]] = ..., has_tree: _Optional[bool] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., predrafted: _Optional[bool] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., reply: _Optional[_Union[SessionReply, _Mapping]] = ..., has_tree: _Optional[bool] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., predrafted: _Optional[bool] = ...) -> None: ...
 
 class DraftStep(_message.Message):
     __slots__ = ("sessions", "static_vocab_sha", "teacher_top_k", "compute_seconds", "codec_seconds", "predraft_seconds")

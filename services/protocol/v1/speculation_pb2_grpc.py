@@ -35,11 +35,6 @@ class DraftStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Speculate = channel.stream_stream(
-                '/evospec.internal.v1.Draft/Speculate',
-                request_serializer=evospec_dot_internal_dot_v1_dot_speculation__pb2.TargetToDraft.SerializeToString,
-                response_deserializer=evospec_dot_internal_dot_v1_dot_speculation__pb2.DraftToTarget.FromString,
-                _registered_method=True)
         self.SpeculateBatch = channel.stream_stream(
                 '/evospec.internal.v1.Draft/SpeculateBatch',
                 request_serializer=evospec_dot_internal_dot_v1_dot_speculation__pb2.TargetStep.SerializeToString,
@@ -50,12 +45,6 @@ class DraftStub:
 class DraftServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Speculate(self, request_iterator, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def SpeculateBatch(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -65,11 +54,6 @@ class DraftServicer:
 
 def add_DraftServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Speculate': grpc.stream_stream_rpc_method_handler(
-                    servicer.Speculate,
-                    request_deserializer=evospec_dot_internal_dot_v1_dot_speculation__pb2.TargetToDraft.FromString,
-                    response_serializer=evospec_dot_internal_dot_v1_dot_speculation__pb2.DraftToTarget.SerializeToString,
-            ),
             'SpeculateBatch': grpc.stream_stream_rpc_method_handler(
                     servicer.SpeculateBatch,
                     request_deserializer=evospec_dot_internal_dot_v1_dot_speculation__pb2.TargetStep.FromString,
@@ -85,33 +69,6 @@ def add_DraftServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Draft:
     """Missing associated documentation comment in .proto file."""
-
-    @staticmethod
-    def Speculate(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/evospec.internal.v1.Draft/Speculate',
-            evospec_dot_internal_dot_v1_dot_speculation__pb2.TargetToDraft.SerializeToString,
-            evospec_dot_internal_dot_v1_dot_speculation__pb2.DraftToTarget.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def SpeculateBatch(request_iterator,
