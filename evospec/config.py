@@ -128,7 +128,9 @@ class SchedulerConfig(BaseModel):
     costs and acceptance (goodput); off = every request drafts its full tree (the per-request loop's behaviour).
     draft_retry_s / draft_max_retry_s: after its draft failed, a running generation tries to resume speculation
     (a new draft session, prefilled with everything committed so far) after draft_retry_s, doubling up to
-    draft_max_retry_s while it keeps failing."""
+    draft_max_retry_s while it keeps failing. stall_timeout_s: one engine step running longer than this makes the
+    replica unhealthy (a hung forward; Serve then replaces it): above the slowest legitimate step, a full
+    prefill chunk of a large target on a slow CPU."""
     model_config = ConfigDict(frozen=True, extra="forbid")
     kv_tokens: int = Field(32768, ge=16)
     draft_kv_tokens: int | None = Field(None, ge=16)
@@ -138,6 +140,7 @@ class SchedulerConfig(BaseModel):
     adaptive: bool = True
     draft_retry_s: float = Field(1.0, gt=0)
     draft_max_retry_s: float = Field(16.0, gt=0)
+    stall_timeout_s: float = Field(180.0, gt=0)
 
 
 AdaptMode = Literal["off", "lora", "full"]

@@ -28,3 +28,8 @@ class OverloadedError(EvoSpecError):
 
 class ShuttingDownError(OverloadedError):
     """This replica is stopping; another one can serve the request (-> UNAVAILABLE-like: HTTP 503 Retry-After)."""
+
+
+class EngineStoppedError(EvoSpecError):
+    """This replica's engine stopped unexpectedly; the replica is being replaced (-> UNAVAILABLE "target restarting,
+    retry"; HTTP 503 Retry-After): a retry reaches a healthy replica."""

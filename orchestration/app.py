@@ -29,6 +29,8 @@ def _deployment_options(cfg: AppConfig, replica: ReplicaConfig) -> dict:
                 ray_actor_options={"num_gpus": replica.num_gpus, "num_cpus": replica.num_cpus,
                                    "resources": dict(replica.resources)},
                 max_ongoing_requests=cfg.max_ongoing_requests,
+                health_check_period_s=replica.health_check_period_s,
+                health_check_timeout_s=replica.health_check_timeout_s,
                 graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
                 graceful_shutdown_wait_loop_s=min(2.0, cfg.graceful_shutdown_timeout_s / 2))
 

@@ -12,7 +12,9 @@ depth (so that a stream's τ does not depend on load), then
    healthy speculation is back, and, with several draft replicas, how many streams never noticed (no step without
    their draft) and how far their τ moved from a calm run's;
 3. kills the Target replica while streams run: what clients see (UNAVAILABLE, no actor ids, pids or namespaces) and
-   how long until the service answers again.
+   how long until the service answers again;
+4. ends the Target replica's scheduler thread while streams run (the process lives on): the same client-side
+   checks, and how long until Serve's health check has replaced the replica.
 The e2e suite (tests/e2e/test_chaos.py) runs the same scenarios, shorter, and asserts the issue's goals.
 """
 from __future__ import annotations
@@ -257,6 +259,51 @@ def target_kill(client, app: str, streams: int, max_tokens: int) -> dict:
             "answers_again_after_s": round(recovered, 2)}
 
 
+def stop_scheduler_thread(actor) -> None:
+    """End a Target replica's scheduler thread at its next step, as a bug escaping its loop would. Reaches into the
+    replica through Serve's actor internals (chaos only: if a Ray upgrade renames them, this fails loudly)."""
+    import ray
+
+    def stop(replica_actor) -> None:
+        target = replica_actor._replica_impl._user_callable_wrapper._callable  # our TargetDeployment
+        scheduler = target.server.scheduler
+
+        def dead_step() -> None:
+            raise SystemExit("scheduler thread stopped by evospec chaos")
+        scheduler.step = dead_step
+        scheduler._wake()
+    ray.get(actor.__ray_call__.remote(stop), timeout=30)
+
+
+def target_engine_death(client, app: str, streams: int, max_tokens: int) -> dict:
+    """The Target replica's scheduler thread dies while streams run: they end with UNAVAILABLE "target restarting,
+    retry", the replica's health predicate fails, Serve replaces it, and the service answers again."""
+    results, threads = start_streams(client, [(PROMPTS[i % len(PROMPTS)], "evospec") for i in range(streams)],
+                                     max_tokens)
+    wait_started(results)
+    before = replica_names(app, "Target")
+    died = time.monotonic()
+    stop_scheduler_thread(replica_actors(app, "Target")[0])
+    for t in threads:
+        t.join(timeout=300)
+    replaced = wait_replaced(app, "Target", before)
+    recovered = float("inf")
+    while time.monotonic() - died < 300:
+        try:
+            client.generate(PROMPTS[0], method="evospec", max_tokens=4, timeout=30)
+            recovered = time.monotonic() - died
+            break
+        except Exception:  # noqa: BLE001 - not back yet
+            time.sleep(0.25)
+    messages = [f"{r.error_code}: {r.error}" for r in results if r.error_code]
+    return {"scenario": "target_engine_death", "streams": len(results),
+            "completed": sum(bool(r.finish_reason) for r in results),
+            "error_codes": sorted({r.error_code for r in results if r.error_code}),
+            "errors": sorted(set(messages)),
+            "leaking_internals": sum(any(w.lower() in m.lower() for w in INTERNALS) for m in messages),
+            "replaced_after_s": round(replaced - died, 2), "answers_again_after_s": round(recovered, 2)}
+
+
 def run_all(address: str, app: str, streams_per_method: int, max_tokens: int, freeze_s: float) -> list[dict]:
     from evospec_client import EvoSpecClient
     with EvoSpecClient(address, timeout=300, app_name=app) as client:
@@ -264,7 +311,8 @@ def run_all(address: str, app: str, streams_per_method: int, max_tokens: int, fr
         references = greedy_references(client, PROMPTS[:streams_per_method], max_tokens)
         return [draft_freeze(client, app, references, streams_per_method, max_tokens, freeze_s),
                 draft_kill(client, app, references, streams_per_method, max_tokens),
-                target_kill(client, app, 2 * streams_per_method, max_tokens)]
+                target_kill(client, app, 2 * streams_per_method, max_tokens),
+                target_engine_death(client, app, 2 * streams_per_method, max_tokens)]
 
 
 def for_chaos(cfg, draft_replicas: int = 1, target_replicas: int = 1):

@@ -17,12 +17,16 @@ INTERNAL_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", INTERNAL_MAX_MES
 class ReplicaConfig(BaseModel):
     """Ray actor options of a deployment's replicas. Production asks one GPU each; on a CPU-only machine the local
     runner starts Ray with logical GPUs so the same placement schedules. resources pins to nodes, e.g.
-    {draft_slot: 1} with `ray start --resources='{"draft_slot": 1}'`."""
+    {draft_slot: 1} with `ray start --resources='{"draft_slot": 1}'`. health_check_period_s / health_check_timeout_s:
+    how often Serve calls the replica's check_health (the deployment's health predicate, services/common/health.py)
+    and how long it waits for it (Serve's defaults); a replica failing it is replaced."""
     model_config = ConfigDict(frozen=True, extra="forbid")
     num_replicas: int = Field(1, ge=1)
     num_gpus: float = Field(1.0, ge=0)
     num_cpus: float = Field(1.0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict)
+    health_check_period_s: float = Field(10.0, gt=0)
+    health_check_timeout_s: float = Field(30.0, gt=0)
 
 
 class DraftLinkConfig(BaseModel):

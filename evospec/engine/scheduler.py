@@ -45,7 +45,7 @@ from evospec.engine.generate import SpeculativeDecoder, apply_stop_rules
 from evospec.engine.profile import StepProfile
 from evospec.engine.stats import SpecStats
 from evospec.engine.target import TargetSession
-from evospec.errors import EvoSpecError, InvalidRequestError, OverloadedError, ShuttingDownError
+from evospec.errors import EngineStoppedError, EvoSpecError, InvalidRequestError, OverloadedError, ShuttingDownError
 from evospec.kernels.tree import tree_depths
 from evospec.model import KVArena
 from evospec.model.qwen3 import forward_seconds
@@ -162,6 +162,8 @@ class Scheduler:
         self._wakeup = threading.Condition(self._lock)
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._step_started: float | None = None  # time.monotonic() while the thread is inside a step (health)
+        self._died = False  # the thread ended on an unexpected error: the replica must be replaced
         self.steps = 0
         self.depth_histogram: collections.Counter[int] = collections.Counter()  # chosen draft depth per step
 
@@ -178,6 +180,8 @@ class Scheduler:
                            SpecStats(prompt_tokens=len(prompt_ids)))
         self._check_fits(request)
         with self._lock:
+            if self._died:
+                raise EngineStoppedError("target restarting, retry")
             if self._stopping:
                 raise ShuttingDownError("the server is shutting down; retry on another replica")
             if len(self._waiting) >= self.config.max_waiting:
@@ -212,6 +216,20 @@ class Scheduler:
         """The scheduler's thread runs and takes new requests."""
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
+    def health(self) -> str | None:
+        """Why this scheduler cannot serve (None = it can): its thread ended or is stopping, or one engine step has
+        run past `stall_timeout_s`. The target's one health predicate: Serve's check_health, the gRPC health
+        service and GET /health all read it."""
+        if self._thread is None or not self._thread.is_alive():
+            return "the scheduler thread is not running"
+        if self._stopping:
+            return "shutting down"
+        started = self._step_started
+        if started is not None and time.monotonic() - started > self.config.stall_timeout_s:
+            return (f"one engine step has run for {time.monotonic() - started:.0f} s "
+                    f"(scheduler.stall_timeout_s = {self.config.stall_timeout_s:g})")
+        return None
+
     def num_running(self) -> int:
         return len(self._running)
 
@@ -242,6 +260,14 @@ class Scheduler:
         return not self._stopping and not self._waiting and not self._running
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - the thread ends here (logged): nothing may wait for it forever
+            log.critical("the scheduler thread stopped", exc_info=exc)
+            self._died = True
+            self._fail_everything(EngineStoppedError("target restarting, retry"))
+
+    def _serve(self) -> None:
         while True:
             with self._lock:
                 idle = self._idle()
@@ -252,17 +278,24 @@ class Scheduler:
                     self._wakeup.wait()
                 if self._stopping:
                     break
+            self._step_started = time.monotonic()
             try:
                 self.step()
             except Exception as exc:  # noqa: BLE001 - a bug must fail the requests it hit, never hang them all
                 log.exception("scheduler step failed")
                 for request in list(self._running.values()):
                     self._fail(request, exc)
-        with self._lock:  # submit refuses from now on, so nothing is added after this
+            self._step_started = None
+        self._fail_everything(ShuttingDownError("the server is shutting down; retry on another replica"))
+
+    def _fail_everything(self, error: BaseException) -> None:
+        """Fail what runs or waits; submit refuses from now on (the thread is ending)."""
+        with self._lock:
+            self._stopping = True
             leftover = [*self._running.values(), *self._waiting]
             self._waiting.clear()
         for request in leftover:
-            self._fail(request, ShuttingDownError("the server is shutting down; retry on another replica"))
+            self._fail(request, error)
 
     def run_until_idle(self) -> None:
         """Step until nothing runs or waits (tests and benchmarks drive the scheduler without its thread)."""

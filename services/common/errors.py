@@ -8,7 +8,7 @@ import logging
 
 import grpc
 
-from evospec.errors import InvalidRequestError, OverloadedError, UnauthenticatedError
+from evospec.errors import EngineStoppedError, InvalidRequestError, OverloadedError, UnauthenticatedError
 
 log = logging.getLogger(__name__)
 INTERNAL_ERROR = "internal error (request "  # how every INTERNAL message starts (the proxy policy keeps ours)
@@ -16,6 +16,7 @@ INTERNAL_ERROR = "internal error (request "  # how every INTERNAL message starts
 STATUS_OF = {InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
              UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
              OverloadedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+             EngineStoppedError: grpc.StatusCode.UNAVAILABLE,
              TimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED}
 
 

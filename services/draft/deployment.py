@@ -12,6 +12,7 @@ import threading
 import ray
 from ray import serve
 
+from evospec.services.common.health import raise_if_unhealthy
 from evospec.services.common.metrics import AdaptMetrics
 from evospec.services.config import DraftServiceConfig
 from evospec.services.draft.server import DraftServer
@@ -29,7 +30,7 @@ class DraftDeployment:
                              "evospec.orchestration.app (it sets one) or set it in the config")
         self.server = DraftServer.from_config(cfg)
         host = cfg.internal_host or ray.util.get_node_ip_address()
-        self.grpc_server, port = start_draft_server(self.server, host, cfg.internal)
+        self.stream_server, port = start_draft_server(self.server, host, cfg.internal)
         self._address = f"{host}:{port}"
         log.info("draft %s serving the speculation stream on %s", self.server.model_name, self._address)
         self._stop = threading.Event()
@@ -73,16 +74,16 @@ class DraftDeployment:
         return self.server.num_sessions()
 
     def check_health(self) -> None:
-        if self.grpc_server is None:
-            raise RuntimeError("draft stream server stopped")
+        """Serve's health check (every replica.health_check_period_s): the deployment's one predicate."""
+        raise_if_unhealthy(self.stream_server.health)
 
     def __del__(self):
         stop = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()
-        grpc_server = getattr(self, "grpc_server", None)
-        if grpc_server is not None:
-            grpc_server.stop(grace=0.5)
+        stream_server = getattr(self, "stream_server", None)
+        if stream_server is not None:
+            stream_server.stop(grace=0.5)
         server = getattr(self, "server", None)
         if server is not None:
             server.shutdown()

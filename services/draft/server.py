@@ -76,6 +76,7 @@ class DraftServer:
         self.max_kv_tokens = max_kv_tokens
         self.predraft_hypotheses = predraft_hypotheses
         self._kv_tokens = 0  # held by open sessions
+        self._shut_down = False
         self._sessions: dict[str, _Session] = {}
         self._lock = threading.Lock()  # sessions are opened and closed from the stream server's threads
 
@@ -105,6 +106,7 @@ class DraftServer:
 
     def shutdown(self) -> None:
         """Stop the adaptation worker (saving the checkpoint when one is configured) and free every session."""
+        self._shut_down = True
         with self._lock:
             keys = list(self._sessions)
         for key in keys:
@@ -113,6 +115,10 @@ class DraftServer:
             self.learner.close()
             if self.learner.cfg.checkpoint:
                 self.learner.export(self.learner.cfg.checkpoint)
+
+    def health(self) -> str | None:
+        """None while this server takes sessions (see DraftStreamServer.health, the deployment's predicate)."""
+        return "the draft server is shut down" if self._shut_down else None
 
     def warm_up(self) -> None:
         """Draft one small tree per method before serving: the first forwards of a fresh process (allocations,

@@ -15,12 +15,13 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from evospec.errors import InvalidRequestError, OverloadedError
 from evospec.services.common.auth import BearerAuthInterceptor
 from evospec.services.common.convert import reply_to_proto, session_op_from_proto
 from evospec.services.common.errors import public_details, set_status, status_for
+from evospec.services.common.health import PredicateHealthServicer
 from evospec.services.config import INTERNAL_CHANNEL_OPTIONS, InternalStreamConfig
 from evospec.services.draft.server import DraftServer, Op, SessionStep
 from evospec.services.protocol.v1 import speculation_pb2 as spec_pb
@@ -216,20 +217,38 @@ def session_to_proto(session_id: str, step: SessionStep) -> spec_pb.SessionDraft
                                 predrafted=step.predrafted)
 
 
+class DraftStreamServer:
+    """The draft replica's plain gRPC server: the SpeculateBatch stream and standard health on `host` only (port 0 =
+    any free port), every call authenticated with `limits.secret` when set. Its `health` is the Draft deployment's one
+    health predicate: Serve's check_health raises on it, and the health service target replicas probe before they
+    send sessions here answers from it."""
+
+    def __init__(self, server: DraftServer, host: str, limits: InternalStreamConfig = InternalStreamConfig()):
+        self.server = server
+        self._stopped = False
+        interceptors = [BearerAuthInterceptor(limits.secret)] if limits.secret else []
+        # One thread per call in flight; calls beyond max_streams get RESOURCE_EXHAUSTED at once instead of queueing.
+        self.grpc_server = grpc.server(
+            ThreadPoolExecutor(max_workers=limits.max_streams + 1, thread_name_prefix="draft-stream"),
+            options=INTERNAL_CHANNEL_OPTIONS, interceptors=interceptors, maximum_concurrent_rpcs=limits.max_streams)
+        spec_grpc.add_DraftServicer_to_server(DraftServicer(server, limits), self.grpc_server)
+        health_pb2_grpc.add_HealthServicer_to_server(PredicateHealthServicer(self.health), self.grpc_server)
+        self.port = self.grpc_server.add_insecure_port(f"{host}:0")
+        self.grpc_server.start()
+
+    def health(self) -> str | None:
+        """None while this replica can draft: its stream server runs and its draft server is open."""
+        if self._stopped:
+            return "the speculation stream server stopped"
+        return self.server.health()
+
+    def stop(self, grace: float | None = None) -> None:
+        self._stopped = True
+        self.grpc_server.stop(grace)
+
+
 def start_draft_server(server: DraftServer, host: str, limits: InternalStreamConfig = InternalStreamConfig()
-                       ) -> tuple[grpc.Server, int]:
-    """Plain gRPC server for the internal stream on `host` only, with standard health (what target replicas probe
-    before they send sessions to this replica again); every call needs `limits.secret` when set. Port 0 = any free
-    port. Returns (server, port)."""
-    interceptors = [BearerAuthInterceptor(limits.secret)] if limits.secret else []
-    # One thread per call in flight; calls beyond max_streams get RESOURCE_EXHAUSTED at once instead of queueing.
-    grpc_server = grpc.server(ThreadPoolExecutor(max_workers=limits.max_streams + 1, thread_name_prefix="draft-stream"),
-                              options=INTERNAL_CHANNEL_OPTIONS, interceptors=interceptors,
-                              maximum_concurrent_rpcs=limits.max_streams)
-    spec_grpc.add_DraftServicer_to_server(DraftServicer(server, limits), grpc_server)
-    health_servicer = health.HealthServicer()
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
-    port = grpc_server.add_insecure_port(f"{host}:0")
-    grpc_server.start()
-    return grpc_server, port
+                       ) -> tuple[DraftStreamServer, int]:
+    """Start a DraftStreamServer; returns (it, its port)."""
+    stream = DraftStreamServer(server, host, limits)
+    return stream, stream.port

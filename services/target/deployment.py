@@ -15,6 +15,7 @@ from collections.abc import Callable
 import ray
 from ray import serve
 
+from evospec.services.common.health import check_response, raise_if_unhealthy
 from evospec.services.common.metrics import HttpMetrics, ServiceMetrics
 from evospec.services.config import DraftLinkConfig, TargetServiceConfig
 from evospec.services.target.draft_link import DraftReplicas
@@ -23,6 +24,7 @@ from evospec.services.target.openai_api import OpenAIFront, build_http_app
 from evospec.services.target.server import DraftSide, TargetServer
 
 log = logging.getLogger("ray.serve")
+HEALTH_SERVICES = ("", "evospec.v1.Generate")  # what grpc.health.v1 Check answers for (the server, the public API)
 
 
 def serve_discovery(draft, link: DraftLinkConfig) -> Callable[[], set[str]]:
@@ -87,9 +89,13 @@ class TargetDeployment:
         return build_http_app(self.http)
 
     async def Check(self, request, grpc_context=None):
-        """grpc.health.v1.Health/Check, routed here by Serve's gRPC proxy."""
-        from grpc_health.v1 import health_pb2
-        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+        """grpc.health.v1.Health/Check, routed here by Serve's gRPC proxy: the deployment's one predicate."""
+        return check_response(self.server.health, request.service, HEALTH_SERVICES, grpc_context)
+
+    def check_health(self) -> None:
+        """Serve's health check (every replica.health_check_period_s): a replica whose scheduler thread died or
+        hangs fails it, and Serve replaces it."""
+        raise_if_unhealthy(self.server.health)
 
     def placement(self) -> dict:
         """The node this replica runs on and the resources it holds (operators, the two-node test)."""

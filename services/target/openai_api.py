@@ -27,7 +27,13 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from evospec.config import Method, Retrieval, SamplingParams, TreeShape, validated
-from evospec.errors import InvalidRequestError, OverloadedError, ShuttingDownError, UnauthenticatedError
+from evospec.errors import (
+    EngineStoppedError,
+    InvalidRequestError,
+    OverloadedError,
+    ShuttingDownError,
+    UnauthenticatedError,
+)
 from evospec.services.common.metrics import HttpMetrics
 from evospec.services.config import PublicApiConfig
 from evospec.services.target.ingress import max_request_bytes
@@ -215,7 +221,7 @@ def openai_error(exc: BaseException, request_id: str, retry_after_s: int) -> Ope
     if isinstance(exc, UnauthenticatedError):
         return OpenAIError(401, "missing or invalid API key: send the header 'Authorization: Bearer <token>'",
                            "authentication_error", code="invalid_api_key")
-    if isinstance(exc, ShuttingDownError):
+    if isinstance(exc, (ShuttingDownError, EngineStoppedError)):
         return OpenAIError(503, str(exc), "service_unavailable", headers=retry)
     if isinstance(exc, OverloadedError):
         return OpenAIError(429, str(exc), "rate_limit_exceeded", headers=retry)
@@ -302,9 +308,11 @@ class OpenAIFront:
             "max_model_len": self.server.decoder.max_model_len}]})
 
     async def health(self, request):
-        """200 while this replica's engine runs (open, like vLLM's /health, for load balancers)."""
-        if not self.server.scheduler.running:
-            return JSONResponse({"status": "stopping"}, status_code=503,
+        """200 while the replica's health predicate holds (TargetServer.health), else 503 with the reason; open, like
+        vLLM's /health, for load balancers."""
+        problem = self.server.health()
+        if problem is not None:
+            return JSONResponse({"status": "unavailable", "reason": problem}, status_code=503,
                                 headers={"Retry-After": str(self.public.retry_after_s)})
         return JSONResponse({"status": "ok"})
 

@@ -1,10 +1,10 @@
 """Transport-free target server: admission, generation as an async iterator of typed events, metrics and info.
 
-Fronts convert their wire types to `GenerateRequest` and the events back: the gRPC front today
-(services/target/grpc_api.py), an HTTP front next. Every generation of the replica runs in one continuous-batching
-`Scheduler` (evospec/engine/scheduler.py), whose drafts come from the draft replica over one multiplexed stream
-(RemoteMuxDrafter). Raises
-InvalidRequestError (the field to fix) and OverloadedError; nothing here imports gRPC or Ray.
+Fronts convert their wire types to `GenerateRequest` and the events back: the gRPC front
+(services/target/grpc_api.py) and the OpenAI-compatible HTTP front (services/target/openai_api.py). Every generation
+of the replica runs in one continuous-batching `Scheduler` (evospec/engine/scheduler.py), whose drafts come from the
+draft replicas over one multiplexed stream each (RemoteMuxDrafter). Raises InvalidRequestError (the field to fix) and
+OverloadedError; nothing here imports gRPC or Ray.
 """
 from __future__ import annotations
 
@@ -170,6 +170,12 @@ class TargetServer:
         shutdown = getattr(self.scheduler.drafter, "shutdown", None)
         if shutdown is not None:
             shutdown()
+
+    def health(self) -> str | None:
+        """The Target deployment's one health predicate (None = it serves): its scheduler thread alive and stepping.
+        Serve's check_health, the gRPC health service and GET /health read it (services/common/health.py). The draft
+        is not part of it: without one, generations run target-only."""
+        return self.scheduler.health()
 
     def num_sessions(self) -> int:
         return len(self.active)

@@ -53,8 +53,11 @@ def service(tls_files):
     # Every request drafts its full tree (no load-adaptive depth), so statistics and seeded samples can be compared
     # with the per-request loop exactly; the adaptive depth is tested against the stream in test_internal_protocol.
     scheduler = cfg.target.scheduler.model_copy(update={"adaptive": False})
+    # Serve checks the Target's health every 2 s (default 10), so a replica whose engine died is replaced quickly.
+    replica = cfg.target.replica.model_copy(update={"health_check_period_s": 2.0})
     cfg = cfg.model_copy(update={"grpc_port": free_port(), "http_port": free_port(),
-                                 "target": cfg.target.model_copy(update={"scheduler": scheduler})})
+                                 "target": cfg.target.model_copy(update={"scheduler": scheduler,
+                                                                         "replica": replica})})
     with local_ray(num_cpus=4, nodes=TWO_NODES), serve_app(cfg) as address:
         yield address, cfg
 

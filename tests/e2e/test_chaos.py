@@ -47,3 +47,13 @@ def test_a_killed_target_gives_clients_unavailable_without_internals(client, ser
     assert figures["error_codes"] == ["UNAVAILABLE"], figures  # the kill hit streams in flight, as UNAVAILABLE only
     assert figures["leaking_internals"] == 0, figures
     assert figures["answers_again_after_s"] < 30, figures
+
+
+def test_a_dead_scheduler_thread_gets_its_replica_replaced_and_clients_unavailable(client, service):
+    """The replica's process lives but its engine thread is gone: the health predicate fails, Serve replaces the
+    replica (health_check_period_s 2 s in this suite), and clients saw only UNAVAILABLE "target restarting, retry"."""
+    figures = chaos.target_engine_death(client, service[1].app_name, streams=4, max_tokens=MAX_TOKENS * 4)
+    assert figures["error_codes"] == ["UNAVAILABLE"], figures
+    assert all(e == "UNAVAILABLE: target restarting, retry" for e in figures["errors"]), figures
+    assert figures["leaking_internals"] == 0, figures
+    assert figures["replaced_after_s"] < 60 and figures["answers_again_after_s"] < 90, figures
