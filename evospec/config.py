@@ -233,3 +233,64 @@ def validated(model: type[M], /, **values) -> M:
         got = repr(err.get("input"))
         got = got if len(got) <= 200 else got[:200] + "..."  # never echo a huge input back
         raise InvalidRequestError(field, f"{err['msg']} (got {got})") from None
+
+
+# ---- the public field list --------------------------------------------------------------------------------------
+# Clients name a request's speculation options flat: the gRPC SpecParams (with its TreeParams), the OpenAI body's
+# `speculation` object, the SDK's keyword arguments and the CLI's flags all use these names. Each is a field of
+# SpecParams or of one of its parts, so a new option is declared once, here in the typed config (plus its proto
+# line); every front derives its list from SPEC_OPTIONS.
+SPEC_PARTS: dict[str, type[BaseModel]] = {"tree": TreeParams, "vocab": VocabParams}
+
+
+def _spec_options() -> dict[str, tuple[str, ...]]:
+    paths: dict[str, tuple[str, ...]] = {}
+    for name in SpecParams.model_fields:
+        part = SPEC_PARTS.get(name)
+        paths.update({sub: (name, sub) for sub in part.model_fields} if part is not None else {name: (name,)})
+    return paths
+
+
+SPEC_OPTIONS: dict[str, tuple[str, ...]] = _spec_options()  # flat option name -> its path in SpecParams
+
+
+def spec_field(option: str):
+    """The pydantic FieldInfo of a flat speculation option (its type, default and bounds)."""
+    path = SPEC_OPTIONS[option]
+    model = SPEC_PARTS[path[0]] if len(path) == 2 else SpecParams
+    return model.model_fields[path[-1]]
+
+
+def spec_options(spec: SpecParams) -> dict[str, object]:
+    """`spec` as flat options (the inverse of `spec_with`)."""
+    values = spec.model_dump()
+    out = {}
+    for option, path in SPEC_OPTIONS.items():
+        value = values
+        for key in path:
+            value = value[key]
+        out[option] = value
+    return out
+
+
+def spec_with(defaults: SpecParams, options: dict[str, object], name_of=lambda option: option) -> SpecParams:
+    """The request's speculation: `options` (flat names; None = unset) over the server's `defaults`. An invalid value
+    raises InvalidRequestError naming `name_of(option)`, the front's own name for it."""
+    values = defaults.model_dump()
+    for option, value in options.items():
+        if value is None:
+            continue
+        if option not in SPEC_OPTIONS:
+            raise InvalidRequestError(name_of(option), f"is not a speculation option; the options are "
+                                                       f"{', '.join(SPEC_OPTIONS)}")
+        *parents, key = SPEC_OPTIONS[option]
+        target = values
+        for parent in parents:
+            target = target[parent]
+        target[key] = value
+    try:
+        return validated(SpecParams, **values)
+    except InvalidRequestError as e:
+        parts = e.field.split(".")  # e.g. tree.depth, vocab.retrieval.0, method
+        option = parts[1] if parts[0] in SPEC_PARTS and len(parts) > 1 else parts[0]
+        raise InvalidRequestError(name_of(option if option in SPEC_OPTIONS else e.field), e.message) from None

@@ -5,19 +5,21 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import get_args
+from types import UnionType
+from typing import Literal, Union, get_args, get_origin
 
 from evospec.config import (
-    METHODS,
+    SPEC_OPTIONS,
     DType,
     ModelConfig,
     SamplingParams,
     SpecParams,
-    TreeParams,
-    TreeShape,
-    VocabParams,
+    spec_field,
+    spec_options,
+    spec_with,
     validated,
 )
+from evospec.errors import InvalidRequestError
 from evospec.modelstore.catalog import TINY, pair_names
 
 DEMO_QUESTION = "Is a high body mass index associated with worse outcomes after surgery for colorectal cancer?"
@@ -37,31 +39,52 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=model.dtype, choices=get_args(DType))
 
 
+FLAG_ALIASES = {"shape": ("--tree",)}  # earlier flag names, still accepted
+
+
+def add_typed_flag(p: argparse.ArgumentParser, name: str, field, default, help: str | None = None) -> None:
+    """One flag for a typed config field: its type, choices (Literal) and bounds checks come from the field."""
+    flags = ["--" + name.replace("_", "-"), *FLAG_ALIASES.get(name, ())]
+    kind = field.annotation
+    if get_origin(kind) in (Union, UnionType):  # X | None -> X
+        kind = next(a for a in get_args(kind) if a is not type(None))
+    if kind is bool:
+        p.add_argument(*flags, dest=name, default=default, action=argparse.BooleanOptionalAction, help=help)
+    elif get_origin(kind) is tuple:  # a set of choices: --retrieval statistical target
+        p.add_argument(*flags, dest=name, default=default, nargs="+", choices=get_args(get_args(kind)[0]), help=help)
+    elif get_origin(kind) is Literal:
+        p.add_argument(*flags, dest=name, default=default, choices=get_args(kind), help=help)
+    else:
+        p.add_argument(*flags, dest=name, default=default, type=kind, help=help)
+
+
 def add_request_args(p: argparse.ArgumentParser) -> None:
-    s, spec = DEMO_SAMPLING, SpecParams()
+    """--prompt, one flag per sampling field (defaults: the demo's) and one per speculation option (default: the
+    service's defaults, its YAML's `default_spec`), all derived from the typed config (evospec/config.py)."""
     p.add_argument("--prompt", default=DEMO_QUESTION, help="user message (chat template applied)")
-    p.add_argument("--method", default=spec.method, choices=METHODS)
-    p.add_argument("--max-tokens", type=int, default=s.max_tokens)
-    p.add_argument("--temperature", type=float, default=s.temperature, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=s.top_p)
-    p.add_argument("--top-k", type=int, default=s.top_k)
-    p.add_argument("--seed", type=int, default=s.seed)
-    p.add_argument("--tree", default=spec.tree.shape, choices=get_args(TreeShape))
-    p.add_argument("--num-draft-tokens", type=int, default=spec.tree.num_draft_tokens)
-    p.add_argument("--depth", type=int, default=spec.tree.depth)
-    p.add_argument("--branching", type=int, default=spec.tree.branching)
-    p.add_argument("--budget", type=int, default=spec.tree.budget)
-    p.add_argument("--static-size", type=int, default=spec.vocab.static_size)
-    p.add_argument("--dynamic-size", type=int, default=spec.vocab.dynamic_size)
+    for name, field in SamplingParams.model_fields.items():
+        add_typed_flag(p, name, field, getattr(DEMO_SAMPLING, name), help="0 = greedy" if name == "temperature"
+                       else None)
+    for option in SPEC_OPTIONS:
+        add_typed_flag(p, option, spec_field(option), None,
+                       help=f"default: the service's (built in: {SPEC_DEFAULTS[option]})")
 
 
-def request_from_args(args) -> tuple[SamplingParams, SpecParams]:
-    sampling = validated(SamplingParams, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                         top_k=args.top_k, seed=args.seed)
-    tree = validated(TreeParams, shape=args.tree, num_draft_tokens=args.num_draft_tokens, depth=args.depth,
-                     branching=args.branching, budget=args.budget)
-    vocab = validated(VocabParams, static_size=args.static_size, dynamic_size=args.dynamic_size)
-    return sampling, validated(SpecParams, method=args.method, tree=tree, vocab=vocab)
+SPEC_DEFAULTS = spec_options(SpecParams())
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.split(".")[-1].replace("_", "-")
+
+
+def request_from_args(args, defaults: SpecParams = SpecParams()) -> tuple[SamplingParams, SpecParams]:
+    """The typed request of the flags (in process: unset speculation options take `defaults`)."""
+    try:
+        sampling = validated(SamplingParams, **{name: getattr(args, name) for name in SamplingParams.model_fields})
+    except InvalidRequestError as e:
+        raise InvalidRequestError(flag_name(e.field), e.message) from None
+    spec = spec_with(defaults, {option: getattr(args, option) for option in SPEC_OPTIONS}, name_of=flag_name)
+    return sampling, spec
 
 
 def cmd_demo_in_process(args, pair_name: str) -> int:
@@ -101,11 +124,9 @@ def print_stream(deltas, show_text: bool = True) -> dict:
 
 
 def client_request_kwargs(args) -> dict:
-    return dict(messages=[{"role": "user", "content": args.prompt}], max_tokens=args.max_tokens,
-                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                method=args.method, static_size=args.static_size, dynamic_size=args.dynamic_size,
-                tree=dict(shape=args.tree, num_draft_tokens=args.num_draft_tokens, depth=args.depth,
-                          branching=args.branching, budget=args.budget))
+    """The SDK's keyword arguments of the flags (unset speculation options are left to the service)."""
+    return dict(messages=[{"role": "user", "content": args.prompt}],
+                **{name: getattr(args, name) for name in [*SamplingParams.model_fields, *SPEC_OPTIONS]})
 
 
 CACHE_DIR_HELP = "where fetched models live (default $EVOSPEC_CACHE or ~/.cache/evospec)"
@@ -152,7 +173,7 @@ def cmd_demo(args) -> int:
         info = client.wait_ready()
         print(f"service up on {address} (gRPC) and http://127.0.0.1:{cfg.http_port}/v1 (OpenAI-compatible): "
               f"target={info.get('target_model')} draft={info.get('draft_model')}\n")
-        print(f"[{args.method}] {args.prompt}\n")
+        print(f"[{args.method or info.get('default_method')}] {args.prompt}\n")
         stats = print_stream(client.stream(**client_request_kwargs(args)))
         stats["tokens_per_second"] = stats.get("generated_tokens", 0) / max(stats.get("e2e_seconds", 1e-9), 1e-9)
         print_stats(stats, title="speculative decoding (decoupled, via Ray Serve + gRPC)")

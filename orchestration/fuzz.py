@@ -63,7 +63,14 @@ def base_request(rng: random.Random, limits: Limits) -> pb.GenerateRequest:
 
 
 def _method(req, rng, limits):
-    req.spec.method = rng.choice(["", "ar", "sd", "frspec", "evospec"])
+    """The enum, or its string form (what clients built before the enum send), or neither (the server's default)."""
+    method = rng.choice(["", "ar", "sd", "frspec", "evospec"])
+    req.spec.ClearField("method")
+    req.spec.ClearField("method_name")
+    if method and rng.random() < 0.5:
+        req.spec.method_name = method
+    elif method:
+        req.spec.method = pb.Method.Value(f"METHOD_{method.upper()}")
 
 
 def _sampling(req, rng, limits):
@@ -78,15 +85,16 @@ def _sampling(req, rng, limits):
 def _tree(req, rng, limits):
     t = req.spec.tree
     if rng.random() < 0.5:
-        t.shape = "chain"
+        t.shape = pb.TREE_SHAPE_CHAIN
         t.num_draft_tokens = rng.randint(1, 64)
     else:
-        t.shape = "tree"
+        t.shape_name = "tree"  # the string form, as a client built before the enum sends it
         t.depth, t.branching, t.budget = rng.randint(1, 16), rng.randint(1, 16), rng.randint(1, 256)
 
 
 def _vocab(req, rng, limits):
-    req.spec.method = rng.choice(["frspec", "evospec"])
+    req.spec.method = rng.choice([pb.METHOD_FRSPEC, pb.METHOD_EVOSPEC])
+    req.spec.ClearField("method_name")
     req.spec.static_size = rng.randint(1, limits.static_vocab_size)
     req.spec.dynamic_size = rng.choice([0, 1, 256, 1024, 4096])
     req.spec.retrieval.extend(rng.sample(["statistical", "semantic", "target", "target"], rng.randint(0, 4)))
@@ -140,7 +148,8 @@ def _chat(*messages: tuple[str, str]) -> Mutation:
 def _drafting(mutate: Mutation) -> Mutation:
     """`mutate` on a request whose method uses the vocabulary sizes (`ar` and `sd` ignore static_size)."""
     def both(req, rng, limits):
-        req.spec.method = rng.choice(["frspec", "evospec"])
+        req.spec.method = rng.choice([pb.METHOD_FRSPEC, pb.METHOD_EVOSPEC])
+        req.spec.ClearField("method_name")
         mutate(req, rng, limits)
     return both
 
@@ -158,8 +167,12 @@ INVALID: dict[str, tuple[Mutation, str]] = {
     "top_p_zero": (_set("sampling.top_p", 0.0), "top_p"),
     "top_p_over_one": (_set("sampling.top_p", 1.5), "top_p"),
     "top_p_nan": (_set("sampling.top_p", float("nan")), "top_p"),
-    "method_unknown": (_set("spec.method", "medusa"), "method"),
-    "shape_unknown": (_set("spec.tree.shape", "star"), "shape"),
+    "method_unknown": (_set("spec.method_name", "medusa"), "method"),
+    "method_enum_unknown": (_set("spec.method", 99), "method"),
+    "method_forms_disagree": (lambda req, r, lim: (setattr(req.spec, "method", pb.METHOD_SD),
+                                                   setattr(req.spec, "method_name", "frspec")), "method"),
+    "shape_unknown": (_set("spec.tree.shape_name", "star"), "shape"),
+    "shape_enum_unknown": (_set("spec.tree.shape", 7), "shape"),
     "num_draft_tokens_zero": (_set("spec.tree.num_draft_tokens", 0), "num_draft_tokens"),
     "num_draft_tokens_huge": (_set("spec.tree.num_draft_tokens", 2**32 - 1), "num_draft_tokens"),
     "depth_zero": (_set("spec.tree.depth", 0), "depth"),
@@ -248,7 +261,13 @@ def send(channel, case: Case, metadata, timeout_s: float, stream: bool) -> Outco
         code = "HANG" if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED else err.code().name
         return Outcome(case, code, err.details() or "")
     return Outcome(case, "OK", "", sum(len(r.token_ids) for r in replies) if stream else len(replies[0].token_ids),
-                   replies[-1].finish_reason if replies else "")
+                   finish_reason(replies[-1]) if replies else "")
+
+
+def finish_reason(reply: pb.GenerateResponse) -> str:
+    """"stop" | "length" | "" from the enum (the fuzz judges the enum, not its string form)."""
+    return pb.FinishReason.Name(reply.finish_reason).removeprefix("FINISH_REASON_").lower() \
+        if reply.finish_reason else ""
 
 
 def limits_of(info: dict) -> Limits:

@@ -50,15 +50,20 @@ def generate() -> dict[Path, str]:
             if protoc.main(args) != 0:
                 raise SystemExit(f"protoc failed on {t.proto}")
             stem = Path(t.proto).with_suffix("")
-            proto_module = ".".join(stem.parent.parts)  # e.g. evospec.v1
             for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"):
-                src = Path(tmp) / f"{stem}{suffix}"
-                text = src.read_text()
-                text = re.sub(rf"^from {re.escape(proto_module)} import", f"from {t.module_prefix} import", text,
-                              flags=re.M)
-                text = re.sub(rf"'{re.escape(proto_module)}\.(\w+_pb2)'", rf"'{t.module_prefix}.\1'", text)
+                text = real_import_paths((Path(tmp) / f"{stem}{suffix}").read_text())
                 files[t.out_dir / f"{stem.name}{suffix}"] = HEADER.format(proto=t.proto) + text
     return files
+
+
+def real_import_paths(text: str) -> str:
+    """protoc names modules by proto package (evospec.v1); ours live where each distribution puts them, and a proto
+    may import another's messages (the internal protocol carries the public sampling and speculation messages)."""
+    for t in TARGETS:
+        proto_module = ".".join(Path(t.proto).parent.parts)  # e.g. evospec.v1
+        text = re.sub(rf"^from {re.escape(proto_module)} import", f"from {t.module_prefix} import", text, flags=re.M)
+        text = re.sub(rf"'{re.escape(proto_module)}\.(\w+_pb2)'", rf"'{t.module_prefix}.\1'", text)
+    return text
 
 
 def package_inits() -> list[Path]:

@@ -24,7 +24,7 @@ from google.protobuf.json_format import MessageToDict
 
 from evospec_client.api.v1 import generate_pb2 as pb
 from evospec_client.api.v1 import generate_pb2_grpc as pb_grpc
-from evospec_client.errors import DeadlineExceeded, NotFound, Unavailable, from_rpc_error
+from evospec_client.errors import DeadlineExceeded, InvalidArgument, NotFound, Unavailable, from_rpc_error
 
 
 @dataclass
@@ -46,29 +46,76 @@ class Completion:
     request_id: str
 
 
+# Where each request option lives in evospec.v1, read from the messages themselves: a field added to the proto is an
+# option here with no change to this file. Spec options are flat (shape, depth, ... as on the server's other fronts).
+OPTION_MESSAGES = (("sampling", pb.SamplingParams), ("spec", pb.SpecParams), ("spec.tree", pb.TreeParams))
+LEGACY_SUFFIX = "_name"  # an enum's earlier string field (method_name): the SDK sets the enum
+
+
+def option_paths() -> dict[str, str]:
+    """{option: path of the message that holds it} for every request option the public messages have."""
+    paths = {}
+    for path, message in OPTION_MESSAGES:
+        for proto_field in message.DESCRIPTOR.fields:
+            if proto_field.message_type is None and not proto_field.name.endswith(LEGACY_SUFFIX):
+                paths.setdefault(proto_field.name, path)
+    return paths
+
+
+OPTIONS = option_paths()
+
+
+def _enum_prefix(enum_type) -> str:
+    """Enum values are named after their type: TreeShape -> TREE_SHAPE_CHAIN, whose string is "chain"."""
+    return "".join(f"_{c}" if c.isupper() and i else c for i, c in enumerate(enum_type.name)).upper() + "_"
+
+
+def _enum_number(field, value: str) -> int:
+    prefix = _enum_prefix(field.enum_type)
+    found = field.enum_type.values_by_name.get(prefix + str(value).upper())
+    if found is None or found.number == 0:
+        names = [v.name[len(prefix):].lower() for v in field.enum_type.values if v.number]
+        raise ValueError(f"must be one of {', '.join(names)}; got {value!r}")
+    return found.number
+
+
+def _set_option(request: pb.GenerateRequest, option: str, value) -> None:
+    """Set one option on its message; a value the message cannot hold raises InvalidArgument naming the field."""
+    path = OPTIONS[option]
+    message = request
+    for part in path.split("."):
+        message = getattr(message, part)
+    field = message.DESCRIPTOR.fields_by_name[option]
+    try:
+        if field.enum_type is not None:
+            setattr(message, option, _enum_number(field, value))
+        elif field.is_repeated:
+            getattr(message, option).extend([value] if isinstance(value, str) else value)
+        else:
+            setattr(message, option, value)
+    except (ValueError, TypeError) as e:
+        raise InvalidArgument(f"{path}.{option}: {e}") from None
+
+
 def build_request(prompt: str | None = None, messages: list[dict] | None = None,
                   prompt_token_ids: list[int] | None = None, *, enable_thinking: bool = False,
-                  max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
-                  top_k: int = 0, seed: int | None = None, ignore_eos: bool = False, stop: list[str] | None = None,
-                  method: str = "",
-                  tree: dict | None = None, static_size: int | None = None, dynamic_size: int | None = None,
-                  retrieval: list[str] | None = None, predraft: bool | None = None,
-                  request_id: str = "") -> pb.GenerateRequest:
+                  tree: dict | None = None, request_id: str = "", **options) -> pb.GenerateRequest:
+    """A GenerateRequest from exactly one input and any request options by name (None or unset = the server's
+    default): the sampling ones (max_tokens, temperature, top_p, top_k, seed, ignore_eos, stop) and the speculation
+    ones (method, shape, num_draft_tokens, depth, branching, budget, static_size, dynamic_size, retrieval, predraft);
+    `tree` = the tree options as a dict. Unknown names raise TypeError; values out of the wire's range raise
+    InvalidArgument naming the field."""
     given = [x is not None for x in (prompt, messages, prompt_token_ids)]
     if sum(given) != 1:
         raise ValueError("pass exactly one of prompt, messages or prompt_token_ids")
-    sampling = pb.SamplingParams(top_k=top_k, ignore_eos=ignore_eos, stop=stop or [])
-    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("seed", seed)):
-        if value is not None:
-            setattr(sampling, name, value)
-    spec = pb.SpecParams(method=method, tree=pb.TreeParams(**(tree or {})), retrieval=retrieval or [])
-    if static_size is not None:
-        spec.static_size = static_size
-    if dynamic_size is not None:
-        spec.dynamic_size = dynamic_size
-    if predraft is not None:
-        spec.predraft = predraft
-    req = pb.GenerateRequest(request_id=request_id, sampling=sampling, spec=spec)
+    options = {**(tree or {}), **options}
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown request option(s) {', '.join(unknown)}; the options are {', '.join(OPTIONS)}")
+    req = pb.GenerateRequest(request_id=request_id)
+    for option, value in options.items():
+        if value is not None and value != "":
+            _set_option(req, option, value)
     if prompt is not None:
         req.prompt = prompt
     elif prompt_token_ids is not None:
@@ -87,10 +134,30 @@ def call_metadata(app_name: str, token: str | None = None) -> tuple[tuple[str, s
     return (("application", app_name),) + ((("authorization", f"Bearer {token}"),) if token else ())
 
 
+def _enum_string(msg, name: str) -> str:
+    """An enum field as the server's string ("evospec", "length"), from the enum or, from a server built before it,
+    its string form `<name>_name`; "" when unset."""
+    field = msg.DESCRIPTOR.fields_by_name[name]
+    value = field.enum_type.values_by_number.get(getattr(msg, name))
+    if value is not None and value.number:
+        return value.name[len(_enum_prefix(field.enum_type)):].lower()
+    return getattr(msg, name + LEGACY_SUFFIX, "")
+
+
+def _stats(msg: pb.GenerateResponse) -> dict:
+    """The statistics as a plain dict, enums as their strings (stats["method"] == "evospec")."""
+    if not msg.HasField("stats"):
+        return {}
+    stats = MessageToDict(msg.stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    for stat in msg.stats.DESCRIPTOR.fields:
+        if stat.enum_type is not None:
+            stats[stat.name] = _enum_string(msg.stats, stat.name)
+            stats.pop(stat.name + LEGACY_SUFFIX, None)
+    return stats
+
+
 def _delta(msg: pb.GenerateResponse) -> Delta:
-    stats = MessageToDict(msg.stats, preserving_proto_field_name=True,
-                          always_print_fields_with_no_presence=True) if msg.HasField("stats") else {}
-    return Delta(list(msg.token_ids), msg.text, msg.finish_reason, stats, msg.request_id)
+    return Delta(list(msg.token_ids), msg.text, _enum_string(msg, "finish_reason"), _stats(msg), msg.request_id)
 
 
 def _completion(msg: pb.GenerateResponse) -> Completion:

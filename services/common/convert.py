@@ -1,14 +1,16 @@
-"""Internal protocol (evospec.internal.v1) <-> core conversions, shared by both ends of the speculation stream.
-Public-API conversions live with the public front (services/target/grpc_api.py)."""
+"""Internal protocol (evospec.internal.v1) <-> core conversions, shared by both ends of the speculation stream. A
+session starts with the request's public sampling and speculation messages (services/common/messages.py, the one
+mapping between those and the typed config)."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
 from evospec.adapt.signal import TeacherSignal
-from evospec.config import SamplingParams, SpecParams, TreeParams, VocabParams, validated
+from evospec.config import SpecParams
 from evospec.engine.drafter import DraftRequest
 from evospec.errors import InvalidRequestError
+from evospec.services.common.messages import sampling_from_proto, sampling_to_proto, spec_from_proto, spec_to_proto
 from evospec.services.protocol.v1 import speculation_pb2 as spec_pb
 from evospec.tree import DraftTree
 from evospec.verify import VerifyResult
@@ -16,29 +18,15 @@ from evospec.vocab.dynamic import SlotChange
 
 
 def start_to_proto(session_id: str, request: DraftRequest) -> spec_pb.StartSession:
-    s, t, v = request.sampling, request.spec.tree, request.spec.vocab
-    return spec_pb.StartSession(
-        session_id=session_id, prompt_token_ids=request.prompt_ids,
-        sampling=spec_pb.DraftSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k),
-        tree=spec_pb.DraftTreeShape(shape=t.shape, num_draft_tokens=t.num_draft_tokens, depth=t.depth,
-                                    branching=t.branching, budget=t.budget),
-        vocab=spec_pb.DraftVocab(method=request.spec.method, static_size=v.static_size, dynamic_size=v.dynamic_size,
-                                 retrieval=list(v.retrieval)),
-        seed=request.seed, max_len=request.max_len, predraft=request.spec.predraft)
+    return spec_pb.StartSession(session_id=session_id, prompt_token_ids=request.prompt_ids,
+                                sampling=sampling_to_proto(request.sampling), spec=spec_to_proto(request.spec),
+                                seed=request.seed, max_len=request.max_len)
 
 
 def start_from_proto(start: spec_pb.StartSession) -> DraftRequest:
     """Validated like a public request (the draft trusts no caller's sizes); errors name the internal field."""
-    try:
-        sampling = validated(SamplingParams, temperature=start.sampling.temperature, top_p=start.sampling.top_p,
-                             top_k=start.sampling.top_k)
-        tree = validated(TreeParams, shape=start.tree.shape, num_draft_tokens=start.tree.num_draft_tokens,
-                         depth=start.tree.depth, branching=start.tree.branching, budget=start.tree.budget)
-        vocab = validated(VocabParams, static_size=start.vocab.static_size, dynamic_size=start.vocab.dynamic_size,
-                          retrieval=tuple(start.vocab.retrieval))
-        spec = validated(SpecParams, method=start.vocab.method, tree=tree, vocab=vocab, predraft=start.predraft)
-    except InvalidRequestError as e:
-        raise InvalidRequestError(f"start.{e.field}", e.message) from None
+    sampling = sampling_from_proto(start.sampling, "start.sampling")
+    spec = spec_from_proto(start.spec, SpecParams(), "start.spec")  # the target sends every field
     if not start.prompt_token_ids:
         raise InvalidRequestError("start.prompt_token_ids", "is empty")
     return DraftRequest(list(start.prompt_token_ids), sampling, spec, start.max_len, start.seed)

@@ -250,7 +250,7 @@ class DraftServer:
 
     def _create(self, session_id: str, request: DraftRequest) -> _Session:
         if request.spec.method == "ar":
-            raise InvalidRequestError("start.vocab.method", "'ar' drafts nothing; it never opens a draft session")
+            raise InvalidRequestError("start.spec.method", "'ar' drafts nothing; it never opens a draft session")
         self._check_sizes(request)
         wants = request.spec.predraft and request.sampling.greedy  # pre-drafting is greedy-only
         hypotheses = self.predraft_hypotheses if wants else 0

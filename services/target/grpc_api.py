@@ -6,10 +6,11 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import asdict, replace
 
-from evospec.config import SamplingParams, SpecParams, validated
+from evospec.config import SpecParams
 from evospec.errors import InvalidRequestError
 from evospec.services.common.auth import authorization_of
 from evospec.services.common.errors import set_status
+from evospec.services.common.messages import sampling_from_proto, spec_from_proto, write_field
 from evospec.services.target.ingress import UndecodableRequest
 from evospec.services.target.server import (
     ChatMessage,
@@ -18,32 +19,9 @@ from evospec.services.target.server import (
     Prompt,
     ServerInfo,
     TargetServer,
-    merged_spec,
 )
 from evospec.services.target.textstream import checked_stop
 from evospec_client.api.v1 import generate_pb2 as pb
-
-
-def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
-    values = {"top_k": p.top_k, "ignore_eos": p.ignore_eos}
-    for name in ("max_tokens", "temperature", "top_p", "seed"):
-        if p.HasField(name):
-            values[name] = getattr(p, name)
-    try:
-        return validated(SamplingParams, **values)
-    except InvalidRequestError as e:
-        raise InvalidRequestError(f"sampling.{e.field}", e.message) from None
-
-
-def spec_from_proto(p: pb.SpecParams, defaults: SpecParams) -> SpecParams:
-    """Fields the request leaves unset take the server's defaults."""
-    fields = [name for name in ("num_draft_tokens", "depth", "branching", "budget") if p.tree.HasField(name)]
-    tree = {name: getattr(p.tree, name) for name in fields} | ({"shape": p.tree.shape} if p.tree.shape else {})
-    vocab = {name: getattr(p, name) for name in ("static_size", "dynamic_size") if p.HasField(name)}
-    if p.retrieval:
-        vocab["retrieval"] = tuple(p.retrieval)
-    return merged_spec(defaults, "spec", method=p.method or None, tree=tree, vocab=vocab,
-                       predraft=p.predraft if p.HasField("predraft") else None)
 
 
 def prompt_from_proto(req: pb.GenerateRequest) -> Prompt:
@@ -65,7 +43,16 @@ def request_from_proto(req: pb.GenerateRequest, default_spec: SpecParams) -> Gen
 
 
 def stats_to_proto(stats: dict) -> pb.SpecStats:
-    return pb.SpecStats(**stats)
+    msg = pb.SpecStats()
+    for name, value in stats.items():
+        write_field(msg, name, value)
+    return msg
+
+
+def finished_to_proto(event: FinishedEvent) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(request_id=event.request_id, stats=stats_to_proto(event.stats))
+    write_field(msg, "finish_reason", event.finish_reason)
+    return msg
 
 
 def info_to_proto(info: ServerInfo) -> pb.InfoResponse:
@@ -99,8 +86,7 @@ class GrpcFront:
                             request_id=request_id)
             async for event in self.server.generate(typed):
                 if isinstance(event, FinishedEvent):
-                    yield pb.GenerateResponse(request_id=event.request_id, finish_reason=event.finish_reason,
-                                              stats=stats_to_proto(event.stats))
+                    yield finished_to_proto(event)
                 else:
                     yield pb.GenerateResponse(request_id=event.request_id, token_ids=event.token_ids, text=event.text)
         except Exception as exc:
@@ -117,9 +103,10 @@ class GrpcFront:
         async for response in self._responses(request, grpc_context):
             token_ids.extend(response.token_ids)
             last = response
-        return pb.GenerateResponse(request_id=last.request_id, token_ids=token_ids,
-                                   text=self.server.tokenizer.decode(token_ids), finish_reason=last.finish_reason,
-                                   stats=last.stats)
+        whole = pb.GenerateResponse(request_id=last.request_id, token_ids=token_ids,
+                                    text=self.server.tokenizer.decode(token_ids), stats=last.stats)
+        whole.finish_reason, whole.finish_reason_name = last.finish_reason, last.finish_reason_name
+        return whole
 
     async def Info(self, request: pb.InfoRequest, grpc_context=None) -> pb.InfoResponse:
         request_id = uuid.uuid4().hex

@@ -22,11 +22,11 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from evospec.config import Method, Retrieval, SamplingParams, TreeShape, validated
+from evospec.config import SPEC_OPTIONS, SamplingParams, SpecParams, spec_field, spec_with, validated
 from evospec.errors import (
     EngineStoppedError,
     InvalidRequestError,
@@ -44,7 +44,6 @@ from evospec.services.target.server import (
     Prompt,
     TargetServer,
     TokensEvent,
-    merged_spec,
 )
 
 log = logging.getLogger("ray.serve")
@@ -53,19 +52,15 @@ OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request names none (
 CHAT_ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
 
 
-class SpeculationOptions(BaseModel):
-    """The body extension `speculation`: any of the public SpecParams fields, flat; unset = the service default."""
-    model_config = ConfigDict(extra="forbid")
-    method: Method | None = None
-    static_size: int | None = None
-    dynamic_size: int | None = None
-    retrieval: list[Retrieval] | None = None
-    shape: TreeShape | None = None
-    num_draft_tokens: int | None = None
-    depth: int | None = None
-    branching: int | None = None
-    budget: int | None = None
-    predraft: bool | None = None
+def speculation_options_model() -> type[BaseModel]:
+    """The body extension `speculation`: every flat speculation option (evospec.config.SPEC_OPTIONS) with its typed
+    annotation, optional; unset = the service default. Built from the typed config, so a new option needs no line
+    here."""
+    fields = {option: (spec_field(option).annotation | None, None) for option in SPEC_OPTIONS}
+    return create_model("SpeculationOptions", __config__=ConfigDict(extra="forbid"), **fields)
+
+
+SpeculationOptions = speculation_options_model()
 
 
 class StreamOptions(BaseModel):
@@ -87,7 +82,7 @@ class _CommonRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension (load tools send it)
-    speculation: SpeculationOptions | None = None
+    speculation: SpeculationOptions | None = None  # type: ignore[valid-type]
     # Supported only at their neutral value:
     n: int | None = None
     presence_penalty: float | None = None
@@ -183,15 +178,10 @@ def completion_prompt(prompt: str | list) -> Prompt:
     return Prompt(token_ids=list(prompt))
 
 
-def spec_of(options: SpeculationOptions | None, server: TargetServer):
-    o = options or SpeculationOptions()
-    tree = {k: v for k in ("shape", "num_draft_tokens", "depth", "branching", "budget")
-            if (v := getattr(o, k)) is not None}
-    vocab = {k: v for k in ("static_size", "dynamic_size") if (v := getattr(o, k)) is not None}
-    if o.retrieval is not None:
-        vocab["retrieval"] = tuple(o.retrieval)
-    return merged_spec(server.default_spec, "speculation", method=o.method, tree=tree, vocab=vocab,
-                       predraft=o.predraft)
+def spec_of(options: BaseModel | None, server: TargetServer) -> SpecParams:
+    """The request's speculation: the `speculation` options it sets over the service's defaults."""
+    values = options.model_dump(exclude_none=True) if options is not None else {}
+    return spec_with(server.default_spec, values, name_of=lambda option: f"speculation.{option}")
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:

@@ -19,7 +19,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Protocol
 
-from evospec.config import METHODS, SamplingParams, SpecParams, TreeParams, VocabParams, validated
+from evospec.config import METHODS, SamplingParams, SpecParams
 from evospec.engine.generate import SpeculativeDecoder
 from evospec.engine.scheduler import Failed, Finished, Scheduler, TokensOut
 from evospec.engine.stats import SpecStats
@@ -93,19 +93,6 @@ class ServerInfo:
     static_vocab_sha: str
     device: str
     max_prompt_bytes: int  # prompt text over this many bytes is refused before tokenization
-
-
-def merged_spec(defaults: SpecParams, prefix: str, method: str | None = None, tree: dict | None = None,
-                vocab: dict | None = None, predraft: bool | None = None) -> SpecParams:
-    """The request's speculation: what it sets over the server's defaults (None / missing keys = the default).
-    InvalidRequestError names the field under `prefix` (the front's name for the speculation options)."""
-    try:
-        return validated(SpecParams, method=method or defaults.method,
-                         tree=validated(TreeParams, **(defaults.tree.model_dump() | (tree or {}))),
-                         vocab=validated(VocabParams, **(defaults.vocab.model_dump() | (vocab or {}))),
-                         predraft=defaults.predraft if predraft is None else predraft)
-    except InvalidRequestError as e:
-        raise InvalidRequestError(f"{prefix}.{e.field}", e.message) from None
 
 
 def api_tokens(public: PublicApiConfig) -> tuple[str, ...]:

@@ -51,13 +51,20 @@ def test_unknown_and_mismatched_fields_are_refused():
 
 
 def test_cli_defaults_are_the_core_defaults():
+    """Sampling flags default to the demo's sampling; speculation flags to unset (the service's default_spec), which
+    in process means the core defaults; every typed field and option has its flag."""
+    from evospec.config import SPEC_OPTIONS
+    from evospec.orchestration.cli import request_from_args
     args = build_parser().parse_args(["demo"])
     spec = SpecParams()
-    assert args.method == spec.method and args.tree == spec.tree.shape
-    assert (args.num_draft_tokens, args.depth, args.branching, args.budget) == (
-        spec.tree.num_draft_tokens, spec.tree.depth, spec.tree.branching, spec.tree.budget)
-    assert (args.static_size, args.dynamic_size) == (spec.vocab.static_size, spec.vocab.dynamic_size)
-    assert (args.max_tokens, args.temperature, args.top_p, args.seed) == (
-        DEMO_SAMPLING.max_tokens, DEMO_SAMPLING.temperature, DEMO_SAMPLING.top_p, DEMO_SAMPLING.seed)
+    assert all(getattr(args, option) is None for option in SPEC_OPTIONS)
+    sampling, in_process = request_from_args(args)
+    assert in_process == spec and sampling == DEMO_SAMPLING
+    args = build_parser().parse_args(["demo", "--tree", "tree", "--depth", "3", "--retrieval", "target",
+                                      "--no-predraft", "--seed", "7"])
+    sampling, chosen = request_from_args(args)
+    assert (chosen.tree.shape, chosen.tree.depth, chosen.vocab.retrieval, chosen.predraft) == ("tree", 3,
+                                                                                               ("target",), False)
+    assert sampling.seed == 7
     assert TargetServiceConfig().default_spec == spec
     assert SamplingParams().greedy  # requests without sampling fields are greedy

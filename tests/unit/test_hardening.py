@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from evospec.config import SchedulerConfig
 from evospec.errors import UnauthenticatedError
-from evospec.orchestration.fuzz import INVALID, Case, Limits, Outcome, make_case
+from evospec.orchestration.fuzz import INVALID, Case, Limits, Outcome, finish_reason, make_case
 from evospec.services.config import InternalStreamConfig, TargetServiceConfig
 from evospec.services.draft.server import DraftServer, Op
 from evospec.services.draft.servicer import DraftServicer, start_draft_server
@@ -28,6 +28,7 @@ from evospec.services.protocol.v1 import speculation_pb2_grpc as spec_grpc
 from evospec.services.target.grpc_api import GrpcFront
 from evospec.services.target.ingress import max_request_bytes, tolerant
 from evospec.services.target.server import DraftSide, TargetServer
+from evospec_client import build_request
 from evospec_client.api.v1 import generate_pb2 as pb
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -80,7 +81,7 @@ def call(front: GrpcFront, case: Case) -> Outcome:
         return Outcome(case, "HANG", "")
     except Exception:  # noqa: BLE001 - the front set the status before raising
         return Outcome(case, context.code.name if context.code else "UNSET", context.details)
-    return Outcome(case, "OK", "", len(reply.token_ids), reply.finish_reason)
+    return Outcome(case, "OK", "", len(reply.token_ids), finish_reason(reply))
 
 
 @FUZZ
@@ -154,15 +155,17 @@ ids = st.lists(st.integers(0, 2**32 - 1), max_size=6)
 small_ids = st.lists(st.integers(0, 200), min_size=1, max_size=20)
 starts = st.builds(
     spec_pb.StartSession, prompt_token_ids=st.one_of(small_ids, ids),
-    sampling=st.builds(spec_pb.DraftSampling, temperature=st.sampled_from([0.0, 0.7, -1.0, float("nan"), 1e-39]),
+    sampling=st.builds(pb.SamplingParams, temperature=st.sampled_from([0.0, 0.7, -1.0, float("nan"), 1e-39]),
                        top_p=st.sampled_from([1.0, 0.9, 0.0]), top_k=st.integers(0, 10)),
-    tree=st.builds(spec_pb.DraftTreeShape, shape=st.sampled_from(["chain", "tree", "", "star"]),
-                   num_draft_tokens=st.integers(0, 70), depth=st.integers(0, 20), branching=st.integers(0, 20),
-                   budget=st.integers(0, 300)),
-    vocab=st.builds(spec_pb.DraftVocab, method=st.sampled_from(["sd", "frspec", "evospec", "ar", "x"]),
-                    static_size=st.sampled_from([0, 1, 100, 32768, 10**6]),
-                    dynamic_size=st.sampled_from([0, 8, 256, 10**6]),
-                    retrieval=st.lists(st.sampled_from(["statistical", "semantic", "target", "bogus"]), max_size=3)),
+    spec=st.builds(pb.SpecParams, method=st.sampled_from([0, 1, 2, 3, 4, 99]),
+                   method_name=st.sampled_from(["", "sd", "frspec", "evospec", "ar", "x"]),
+                   tree=st.builds(pb.TreeParams, shape=st.sampled_from([0, 1, 2, 9]),
+                                  shape_name=st.sampled_from(["chain", "tree", "", "star"]),
+                                  num_draft_tokens=st.integers(0, 70), depth=st.integers(0, 20),
+                                  branching=st.integers(0, 20), budget=st.integers(0, 300)),
+                   static_size=st.sampled_from([0, 1, 100, 32768, 10**6]),
+                   dynamic_size=st.sampled_from([0, 8, 256, 10**6]),
+                   retrieval=st.lists(st.sampled_from(["statistical", "semantic", "target", "bogus"]), max_size=3)),
     seed=st.integers(0, 2**64 - 1), max_len=st.sampled_from([0, 1, 30, 64, 200, 2100, 10**6, 2**32 - 1]))
 outcomes = st.builds(spec_pb.Outcome, accepted_nodes=st.lists(st.integers(0, 20), max_size=4),
                      accepted_tokens=st.lists(st.integers(0, 2**32 - 1), max_size=4),
@@ -292,8 +295,8 @@ def test_extreme_tree_shapes_run_to_the_end_of_the_context(service, tree):
     prompt = [100 + i % 500 for i in range(limits.max_model_len - max_tokens - 1)]  # ends at the context's last slot
 
     def run(method):
-        request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
-            max_tokens=max_tokens, ignore_eos=True), spec=pb.SpecParams(method=method, tree=pb.TreeParams(**tree)))
+        request = build_request(prompt_token_ids=prompt, max_tokens=max_tokens, ignore_eos=True, method=method,
+                                tree=tree)
         return asyncio.run(front.GenerateOnce(request, FakeContext()))
     reference, reply = run("ar"), run("evospec")
     assert list(reply.token_ids) == list(reference.token_ids) and len(reply.token_ids) == max_tokens

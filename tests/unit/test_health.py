@@ -140,7 +140,7 @@ def test_a_frozen_step_fails_health_within_the_stall_timeout_and_recovers(target
         server.scheduler.step = real_step
         thaw.set()
         worker.join(60)
-    assert result["responses"][-1].finish_reason == "length"  # the generation went on once thawed
+    assert result["responses"][-1].finish_reason == pb.FINISH_REASON_LENGTH  # it went on once thawed
     assert health_answers(server, app) == SERVING
 
 

@@ -34,7 +34,7 @@ class Flaky(pb_grpc.GenerateServicer):
             yield pb.GenerateResponse(token_ids=[1], text="a")
             context.abort(grpc.StatusCode.UNAVAILABLE, "target restarting, retry")
         self._maybe_fail("Generate", context)
-        yield pb.GenerateResponse(token_ids=[1, 2], text="ab", finish_reason="length")
+        yield pb.GenerateResponse(token_ids=[1, 2], text="ab", finish_reason=pb.FINISH_REASON_LENGTH)
 
 
 @pytest.fixture

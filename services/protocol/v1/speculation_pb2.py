@@ -23,45 +23,40 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from evospec_client.api.v1 import generate_pb2 as evospec_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%evospec/internal/v1/speculation.proto\x12\x13\x65vospec.internal.v1\"B\n\rDraftSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\"k\n\x0e\x44raftTreeShape\x12\r\n\x05shape\x18\x01 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\r\x12\x11\n\tbranching\x18\x04 \x01(\r\x12\x0e\n\x06\x62udget\x18\x05 \x01(\r\"Z\n\nDraftVocab\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x13\n\x0bstatic_size\x18\x02 \x01(\r\x12\x14\n\x0c\x64ynamic_size\x18\x03 \x01(\r\x12\x11\n\tretrieval\x18\x04 \x03(\t\"\x86\x02\n\x0cStartSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x34\n\x08sampling\x18\x03 \x01(\x0b\x32\".evospec.internal.v1.DraftSampling\x12\x31\n\x04tree\x18\x04 \x01(\x0b\x32#.evospec.internal.v1.DraftTreeShape\x12.\n\x05vocab\x18\x05 \x01(\x0b\x32\x1f.evospec.internal.v1.DraftVocab\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x0f\n\x07max_len\x18\x07 \x01(\r\x12\x10\n\x08predraft\x18\x08 \x01(\x08\"2\n\x0f\x42ufferCandidate\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05score\x18\x02 \x01(\x02\"\xcb\x01\n\x07Outcome\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x01 \x03(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x03(\r\x12\x13\n\x0b\x62onus_token\x18\x03 \x01(\r\x12?\n\x11\x62uffer_candidates\x18\x04 \x03(\x0b\x32$.evospec.internal.v1.BufferCandidate\x12\x33\n\x07teacher\x18\x06 \x01(\x0b\x32\".evospec.internal.v1.TeacherSignalJ\x04\x08\x05\x10\x06\"?\n\rTeacherSignal\x12\t\n\x01k\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x01(\x0c\"<\n\nSlotChange\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0e\n\x06source\x18\x03 \x01(\t\"&\n\x07ProbRow\x12\x0c\n\x04node\x18\x01 \x01(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xd9\x01\n\x0cSessionReply\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x31\n\x0b\x64raft_probs\x18\x03 \x03(\x0b\x32\x1c.evospec.internal.v1.ProbRow\x12\x37\n\x0e\x62uffer_changes\x18\x04 \x03(\x0b\x32\x1f.evospec.internal.v1.SlotChange\x12\x14\n\x0chead_seconds\x18\x06 \x01(\x02\x12\x1d\n\x15\x62uffer_update_seconds\x18\x07 \x01(\x02J\x04\x08\x05\x10\x06\"\x9b\x01\n\tSessionOp\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x32\n\x05start\x18\x02 \x01(\x0b\x32!.evospec.internal.v1.StartSessionH\x00\x12/\n\x07outcome\x18\x03 \x01(\x0b\x32\x1c.evospec.internal.v1.OutcomeH\x00\x12\x0f\n\x05\x63lose\x18\x04 \x01(\x08H\x00\x42\x04\n\x02op\"F\n\tDraftWork\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x64\x65pth\x18\x02 \x01(\r\x12\x16\n\x0eprefill_tokens\x18\x03 \x01(\r\"g\n\nTargetStep\x12+\n\x03ops\x18\x01 \x03(\x0b\x32\x1e.evospec.internal.v1.SessionOp\x12,\n\x04work\x18\x02 \x03(\x0b\x32\x1e.evospec.internal.v1.DraftWork\"\x9d\x01\n\x0cSessionDraft\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x30\n\x05reply\x18\x02 \x01(\x0b\x32!.evospec.internal.v1.SessionReply\x12\x10\n\x08has_tree\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x12\n\nerror_code\x18\x05 \x01(\t\x12\x12\n\npredrafted\x18\x06 \x01(\x08\"\xbb\x01\n\tDraftStep\x12\x33\n\x08sessions\x18\x01 \x03(\x0b\x32!.evospec.internal.v1.SessionDraft\x12\x18\n\x10static_vocab_sha\x18\x02 \x01(\t\x12\x15\n\rteacher_top_k\x18\x03 \x01(\r\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x01\x12\x15\n\rcodec_seconds\x18\x05 \x01(\x01\x12\x18\n\x10predraft_seconds\x18\x06 \x01(\x01\x32^\n\x05\x44raft\x12U\n\x0eSpeculateBatch\x12\x1f.evospec.internal.v1.TargetStep\x1a\x1e.evospec.internal.v1.DraftStep(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%evospec/internal/v1/speculation.proto\x12\x13\x65vospec.internal.v1\x1a\x19\x65vospec/v1/generate.proto\"\xbb\x01\n\x0cStartSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.evospec.v1.SamplingParams\x12$\n\x04spec\x18\x04 \x01(\x0b\x32\x16.evospec.v1.SpecParams\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x0f\n\x07max_len\x18\x07 \x01(\rJ\x04\x08\x05\x10\x06J\x04\x08\x08\x10\t\"2\n\x0f\x42ufferCandidate\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05score\x18\x02 \x01(\x02\"\xcb\x01\n\x07Outcome\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x01 \x03(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x03(\r\x12\x13\n\x0b\x62onus_token\x18\x03 \x01(\r\x12?\n\x11\x62uffer_candidates\x18\x04 \x03(\x0b\x32$.evospec.internal.v1.BufferCandidate\x12\x33\n\x07teacher\x18\x06 \x01(\x0b\x32\".evospec.internal.v1.TeacherSignalJ\x04\x08\x05\x10\x06\"?\n\rTeacherSignal\x12\t\n\x01k\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x01(\x0c\"<\n\nSlotChange\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0e\n\x06source\x18\x03 \x01(\t\"&\n\x07ProbRow\x12\x0c\n\x04node\x18\x01 \x01(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xd9\x01\n\x0cSessionReply\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x31\n\x0b\x64raft_probs\x18\x03 \x03(\x0b\x32\x1c.evospec.internal.v1.ProbRow\x12\x37\n\x0e\x62uffer_changes\x18\x04 \x03(\x0b\x32\x1f.evospec.internal.v1.SlotChange\x12\x14\n\x0chead_seconds\x18\x06 \x01(\x02\x12\x1d\n\x15\x62uffer_update_seconds\x18\x07 \x01(\x02J\x04\x08\x05\x10\x06\"\x9b\x01\n\tSessionOp\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x32\n\x05start\x18\x02 \x01(\x0b\x32!.evospec.internal.v1.StartSessionH\x00\x12/\n\x07outcome\x18\x03 \x01(\x0b\x32\x1c.evospec.internal.v1.OutcomeH\x00\x12\x0f\n\x05\x63lose\x18\x04 \x01(\x08H\x00\x42\x04\n\x02op\"F\n\tDraftWork\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x64\x65pth\x18\x02 \x01(\r\x12\x16\n\x0eprefill_tokens\x18\x03 \x01(\r\"g\n\nTargetStep\x12+\n\x03ops\x18\x01 \x03(\x0b\x32\x1e.evospec.internal.v1.SessionOp\x12,\n\x04work\x18\x02 \x03(\x0b\x32\x1e.evospec.internal.v1.DraftWork\"\x9d\x01\n\x0cSessionDraft\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x30\n\x05reply\x18\x02 \x01(\x0b\x32!.evospec.internal.v1.SessionReply\x12\x10\n\x08has_tree\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x12\n\nerror_code\x18\x05 \x01(\t\x12\x12\n\npredrafted\x18\x06 \x01(\x08\"\xbb\x01\n\tDraftStep\x12\x33\n\x08sessions\x18\x01 \x03(\x0b\x32!.evospec.internal.v1.SessionDraft\x12\x18\n\x10static_vocab_sha\x18\x02 \x01(\t\x12\x15\n\rteacher_top_k\x18\x03 \x01(\r\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x01\x12\x15\n\rcodec_seconds\x18\x05 \x01(\x01\x12\x18\n\x10predraft_seconds\x18\x06 \x01(\x01\x32^\n\x05\x44raft\x12U\n\x0eSpeculateBatch\x12\x1f.evospec.internal.v1.TargetStep\x1a\x1e.evospec.internal.v1.DraftStep(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'evospec.services.protocol.v1.speculation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DRAFTSAMPLING']._serialized_start=62
-  _globals['_DRAFTSAMPLING']._serialized_end=128
-  _globals['_DRAFTTREESHAPE']._serialized_start=130
-  _globals['_DRAFTTREESHAPE']._serialized_end=237
-  _globals['_DRAFTVOCAB']._serialized_start=239
-  _globals['_DRAFTVOCAB']._serialized_end=329
-  _globals['_STARTSESSION']._serialized_start=332
-  _globals['_STARTSESSION']._serialized_end=594
-  _globals['_BUFFERCANDIDATE']._serialized_start=596
-  _globals['_BUFFERCANDIDATE']._serialized_end=646
-  _globals['_OUTCOME']._serialized_start=649
-  _globals['_OUTCOME']._serialized_end=852
-  _globals['_TEACHERSIGNAL']._serialized_start=854
-  _globals['_TEACHERSIGNAL']._serialized_end=917
-  _globals['_SLOTCHANGE']._serialized_start=919
-  _globals['_SLOTCHANGE']._serialized_end=979
-  _globals['_PROBROW']._serialized_start=981
-  _globals['_PROBROW']._serialized_end=1019
-  _globals['_SESSIONREPLY']._serialized_start=1022
-  _globals['_SESSIONREPLY']._serialized_end=1239
-  _globals['_SESSIONOP']._serialized_start=1242
-  _globals['_SESSIONOP']._serialized_end=1397
-  _globals['_DRAFTWORK']._serialized_start=1399
-  _globals['_DRAFTWORK']._serialized_end=1469
-  _globals['_TARGETSTEP']._serialized_start=1471
-  _globals['_TARGETSTEP']._serialized_end=1574
-  _globals['_SESSIONDRAFT']._serialized_start=1577
-  _globals['_SESSIONDRAFT']._serialized_end=1734
-  _globals['_DRAFTSTEP']._serialized_start=1737
-  _globals['_DRAFTSTEP']._serialized_end=1924
-  _globals['_DRAFT']._serialized_start=1926
-  _globals['_DRAFT']._serialized_end=2020
+  _globals['_STARTSESSION']._serialized_start=90
+  _globals['_STARTSESSION']._serialized_end=277
+  _globals['_BUFFERCANDIDATE']._serialized_start=279
+  _globals['_BUFFERCANDIDATE']._serialized_end=329
+  _globals['_OUTCOME']._serialized_start=332
+  _globals['_OUTCOME']._serialized_end=535
+  _globals['_TEACHERSIGNAL']._serialized_start=537
+  _globals['_TEACHERSIGNAL']._serialized_end=600
+  _globals['_SLOTCHANGE']._serialized_start=602
+  _globals['_SLOTCHANGE']._serialized_end=662
+  _globals['_PROBROW']._serialized_start=664
+  _globals['_PROBROW']._serialized_end=702
+  _globals['_SESSIONREPLY']._serialized_start=705
+  _globals['_SESSIONREPLY']._serialized_end=922
+  _globals['_SESSIONOP']._serialized_start=925
+  _globals['_SESSIONOP']._serialized_end=1080
+  _globals['_DRAFTWORK']._serialized_start=1082
+  _globals['_DRAFTWORK']._serialized_end=1152
+  _globals['_TARGETSTEP']._serialized_start=1154
+  _globals['_TARGETSTEP']._serialized_end=1257
+  _globals['_SESSIONDRAFT']._serialized_start=1260
+  _globals['_SESSIONDRAFT']._serialized_end=1417
+  _globals['_DRAFTSTEP']._serialized_start=1420
+  _globals['_DRAFTSTEP']._serialized_end=1607
+  _globals['_DRAFT']._serialized_start=1609
+  _globals['_DRAFT']._serialized_end=1703
 # @@protoc_insertion_point(module_scope)
