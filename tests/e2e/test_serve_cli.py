@@ -1,4 +1,4 @@
-"""The Serve-CLI path of the README, run the way a user runs it on a CPU-only machine:
+"""The Serve-CLI path of docs/deploy.md, run the way a user runs it on a CPU-only machine:
 
     ray start --head --num-gpus=2 --node-ip-address=127.0.0.1
     RAY_ADDRESS=127.0.0.1:PORT RAY_AUTH_MODE=token serve run orchestration/configs/serve-cpu.yaml
