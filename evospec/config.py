@@ -94,6 +94,13 @@ class SpecParams(BaseModel):
     # docs/decoupled.md). An in-process draft has nothing to overlap with and ignores it.
     predraft: bool = True
 
+    @property
+    def speculative(self) -> bool:
+        """The method drafts trees (every method but target-only `ar`; evospec.vocab.registry says which)."""
+        from evospec.vocab.registry import traits  # the registry builds on this module: imported on first use
+
+        return traits(self.method).drafts
+
 
 class ModelConfig(BaseModel):
     """One model of the pair. path None = the embedded tiny pair. device auto = CUDA when available, else CPU;

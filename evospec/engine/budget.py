@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from evospec.config import SpecParams, TreeParams
+from evospec.vocab.registry import traits
 
 
 class OnlineCost:
@@ -158,10 +159,12 @@ class Acceptance:
 
 
 def draft_kind(spec: SpecParams) -> tuple:
-    """What makes drafting cost and accept differently: the method and its vocabulary sizes (sd: every row)."""
-    if spec.method == "sd":
-        return ("sd",)
-    return (spec.method, spec.vocab.static_size, spec.vocab.dynamic_size if spec.method == "evospec" else 0)
+    """What makes drafting cost and accept differently: the method and its vocabulary sizes (a full head: every
+    row, whatever the sizes say)."""
+    method = traits(spec.method)
+    if not method.static_head:
+        return (spec.method,)
+    return (spec.method, spec.vocab.static_size, spec.vocab.dynamic_size if method.dynamic_buffer else 0)
 
 
 class SpeculationBudget:

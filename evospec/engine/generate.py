@@ -1,7 +1,8 @@
 """In-process speculative generation: the step loop (draft tree -> target verify -> commit) and its stop rules.
 
 `SpeculativeDecoder` owns one target and optionally one draft model and serves every method through the same loop:
-`ar` drafts nothing (empty trees), `sd`/`frspec`/`evospec` differ only in the draft's vocabulary policy.
+a method that does not draft (`SpecParams.speculative` false: `ar`) verifies empty trees, the others differ only in
+the draft's vocabulary policy (evospec.vocab.registry).
 """
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ class SpeculativeDecoder:
             raise InvalidRequestError("sampling.max_tokens", f"prompt ({len(prompt_ids)}) + max_tokens "
                                                              f"({sampling.max_tokens}) exceeds the context length "
                                                              f"{self.max_model_len}")
-        if spec.method != "ar":
+        if spec.speculative:
             self.policies.layout(spec)
             if not remote_draft:
                 if self.draft is None:
@@ -122,8 +123,8 @@ class SpeculativeDecoder:
     def _run(self, gen: Generation, prompt_ids, sampling, spec, seed, drafter_factory) -> Iterator[Chunk]:
         max_len = len(prompt_ids) + sampling.max_tokens + spec.tree.max_nodes + 2
         target_session = self.target.start(prompt_ids, sampling, max_len, seed)
-        drafter = NoDrafter() if spec.method == "ar" else \
-            drafter_factory(DraftRequest(prompt_ids, sampling, spec, max_len, draft_seed(seed)))
+        drafter = drafter_factory(DraftRequest(prompt_ids, sampling, spec, max_len, draft_seed(seed))) \
+            if spec.speculative else NoDrafter()
         try:
             while True:
                 t0 = time.perf_counter()

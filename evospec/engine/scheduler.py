@@ -100,7 +100,7 @@ class _Request:
 
     @property
     def speculative(self) -> bool:
-        return self.spec.method != "ar"
+        return self.spec.speculative
 
     @property
     def drafting(self) -> bool:
@@ -173,7 +173,7 @@ class Scheduler:
         """Validate (InvalidRequestError names the field), queue (OverloadedError when it cannot be), return a handle.
         Events then arrive through `sink`, from the scheduler's thread: TokensOut..., then Finished or Failed."""
         self.decoder.validate(prompt_ids, sampling, spec, remote_draft=self.drafter is not None)
-        if spec.method != "ar" and self.drafter is None:
+        if spec.speculative and self.drafter is None:
             self.decoder.validate(prompt_ids, sampling, spec)  # raises: no draft model
         seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little")
         request = _Request(uuid.uuid4().hex, list(prompt_ids), sampling, spec, seed, sink, deadline,

@@ -1,4 +1,6 @@
-"""method name -> vocabulary policy. The only place that maps method strings to behaviour."""
+"""method name -> what it does. The only place that maps method strings to behaviour: `traits(method)` (does it
+draft, with which head, with a dynamic buffer) for everything else to ask, and the vocabulary policy it drafts with
+(`VocabPolicies`)."""
 from __future__ import annotations
 
 import threading
@@ -8,7 +10,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from evospec.config import SpecParams
+from evospec.config import METHODS, SpecParams
 from evospec.errors import InvalidRequestError
 from evospec.vocab.active import full_vocab, static_vocab
 from evospec.vocab.policy import (
@@ -20,6 +22,30 @@ from evospec.vocab.policy import (
     trained_rows,
 )
 from evospec.vocab.retrieval import CoocIndex, EmbeddingIndex
+
+
+@dataclass(frozen=True)
+class MethodTraits:
+    """What a method does. drafts: it proposes trees at all (`ar` is the target alone). static_head: its draft head
+    is the static vocabulary S (else every row of the head). dynamic_buffer: it adds EvoSpec's per-generation
+    buffer D to S (and with it online retrieval and target-fed candidates)."""
+    drafts: bool
+    static_head: bool = False
+    dynamic_buffer: bool = False
+
+
+METHOD_TRAITS: dict[str, MethodTraits] = {
+    "ar": MethodTraits(drafts=False),
+    "sd": MethodTraits(drafts=True),
+    "frspec": MethodTraits(drafts=True, static_head=True),
+    "evospec": MethodTraits(drafts=True, static_head=True, dynamic_buffer=True),
+}
+assert set(METHOD_TRAITS) == set(METHODS), "every method of evospec.config.Method needs its traits here"
+DRAFTING_METHODS: tuple[str, ...] = tuple(m for m in METHODS if METHOD_TRAITS[m].drafts)
+
+
+def traits(method: str) -> MethodTraits:
+    return METHOD_TRAITS[method]
 
 
 @dataclass(frozen=True)
@@ -61,14 +87,13 @@ class VocabPolicies:
     def layout(self, spec: SpecParams) -> ActiveLayout:
         """The shape of A for `spec`, without building anything; raises InvalidRequestError if it cannot be served
         (the target validates and mirrors requests whose draft runs in another process)."""
-        v = spec.vocab
-        if spec.method == "sd":
-            return ActiveLayout(None, 0, False)
-        if spec.method == "frspec":
-            return ActiveLayout(self._static_prefix(v.static_size), 0, False)
-        if spec.method == "evospec":
-            return ActiveLayout(self._static_prefix(v.static_size), v.dynamic_size, "target" in v.retrieval)
-        raise InvalidRequestError("spec.method", f"'{spec.method}' has no draft vocabulary")
+        v, method = spec.vocab, traits(spec.method)
+        if not method.drafts:
+            raise InvalidRequestError("spec.method", f"'{spec.method}' has no draft vocabulary")
+        static_ids = self._static_prefix(v.static_size) if method.static_head else None
+        if method.dynamic_buffer:
+            return ActiveLayout(static_ids, v.dynamic_size, "target" in v.retrieval)
+        return ActiveLayout(static_ids, 0, False)
 
     def get(self, spec: SpecParams) -> VocabPolicy:
         key = (spec.method, spec.vocab.static_size, spec.vocab.dynamic_size, spec.vocab.retrieval)
@@ -86,13 +111,14 @@ class VocabPolicies:
         return sum(size for _, size in self._cache.values())
 
     def _policy_bytes(self, spec: SpecParams) -> int:
-        """What a policy holds: its gathered static head rows (none for `sd`, which scores the head itself) and,
-        for EvoSpec, per-vocabulary-id tables (a bool mask and a Python list: ~9 bytes per id)."""
+        """What a policy holds: its gathered static head rows (none for a full head, which the model's own matrix
+        is) and, with a dynamic buffer, per-vocabulary-id tables (a bool mask and a Python list: ~9 bytes per id)."""
         if self.head_weight is None:
             return 0
         vocab, hidden = self.head_weight.shape
-        rows = 0 if spec.method == "sd" else min(spec.vocab.static_size, vocab)
-        return rows * hidden * self.head_weight.element_size() + (9 * vocab if spec.method == "evospec" else 0)
+        method = traits(spec.method)
+        rows = min(spec.vocab.static_size, vocab) if method.static_head else 0
+        return rows * hidden * self.head_weight.element_size() + (9 * vocab if method.dynamic_buffer else 0)
 
     def with_evospec(self, settings: EvoSpecSettings) -> "VocabPolicies":
         """The same vocabularies with other server-wide EvoSpec settings, sharing the index and the worker."""
@@ -102,7 +128,7 @@ class VocabPolicies:
 
     def _build(self, spec: SpecParams) -> VocabPolicy:
         layout = self.layout(spec)
-        if spec.method == "evospec":
+        if traits(spec.method).dynamic_buffer:
             v = spec.vocab
             settings = replace(self.evospec, dynamic_size=v.dynamic_size,
                                use_statistical="statistical" in v.retrieval, use_semantic="semantic" in v.retrieval,

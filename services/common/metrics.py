@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from evospec.adapt.learner import AdaptStats
 from evospec.engine.stats import SpecStats
 from evospec.vocab.policy import SOURCES
+from evospec.vocab.registry import traits
 
 LATENCY_BUCKETS_S = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0]
 STEP_BUCKETS_S = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25]
@@ -145,7 +146,7 @@ class ServiceMetrics:
             hits = getattr(stats, f"buffer_hits_{source}")
             if hits:
                 self.buffer_hits.inc(hits, {**t, "source": source})
-        if method == "evospec":
+        if traits(method).dynamic_buffer:
             self.buffer_size.set(dynamic_size, t)
         if stats.fallback_steps:
             self.fallback_steps.inc(stats.fallback_steps, t)

@@ -26,7 +26,7 @@ from evospec.services.config import DraftServiceConfig
 from evospec.tree import DraftTree
 from evospec.verify import VerifyResult
 from evospec.vocab.dynamic import SlotChange
-from evospec.vocab.registry import VocabPolicies
+from evospec.vocab.registry import DRAFTING_METHODS, VocabPolicies
 from evospec.vocab.retrieval import TargetFeedback
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class DraftServer:
         """Draft one small tree per method before serving: the first forwards of a fresh process (allocations,
         int8 kernels, lazy initialisation) are several times slower, and a target would take that for a dead
         replica and fall back."""
-        for method in ("sd", "frspec", "evospec"):
+        for method in DRAFTING_METHODS:
             request = DraftRequest(prompt_ids=[0] * 16, sampling=SamplingParams(max_tokens=8), spec=SpecParams(
                 method=method), max_len=64, seed=0)
             step = self.run_step([Op("warm-up", "start", request)], {"warm-up": (2, 8)})["warm-up"]
@@ -249,8 +249,9 @@ class DraftServer:
         return changes
 
     def _create(self, session_id: str, request: DraftRequest) -> _Session:
-        if request.spec.method == "ar":
-            raise InvalidRequestError("start.spec.method", "'ar' drafts nothing; it never opens a draft session")
+        if not request.spec.speculative:
+            raise InvalidRequestError("start.spec.method", f"'{request.spec.method}' drafts nothing; it never opens a "
+                                                           f"draft session")
         self._check_sizes(request)
         wants = request.spec.predraft and request.sampling.greedy  # pre-drafting is greedy-only
         hypotheses = self.predraft_hypotheses if wants else 0
