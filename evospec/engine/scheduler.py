@@ -12,7 +12,8 @@ One engine step:
 A draft that fails (an error, a broken stream, no reply within its deadline) never fails a generation: the request
 drops its draft and continues target-only from its committed state (`SpecStats.fallback_steps/fallback_reason`).
 After a backoff, and once the drafter says a draft is available again, it resumes speculation: a new draft session
-over everything committed so far, prefilled in chunks, then drafting as before (`SpecStats.draft_resumes`).
+over everything committed so far, prefilled in chunks, then drafting as before (`SpecStats.draft_resumes`). Each
+request's `DraftLease` (lease.py) keeps that state and makes those decisions; the scheduler calls the drafter.
 
 Each request keeps its own method, tree, vocabulary sizes, sampling parameters, seed and stop rules; the per-request
 loop (`SpeculativeDecoder.generate`) is the reference its output is tested against (tests/unit/test_scheduler.py).
@@ -42,6 +43,7 @@ from evospec.engine.budget import (
 )
 from evospec.engine.drafter import BatchDrafter, DraftRequest, LocalBatchDrafter
 from evospec.engine.generate import SpeculativeDecoder, apply_stop_rules
+from evospec.engine.lease import DraftLease, plan_catch_up
 from evospec.engine.profile import StepProfile
 from evospec.engine.stats import SpecStats
 from evospec.engine.target import TargetSession
@@ -88,24 +90,11 @@ class _Request:
     sink: Sink
     deadline: float | None  # time.monotonic()
     stats: SpecStats
+    lease: DraftLease  # its draft session: held, lost, resumed (lease.py)
     cancelled: threading.Event = field(default_factory=threading.Event)
     target: TargetSession | None = None
     output_ids: list[int] = field(default_factory=list)
     acceptance: Acceptance = field(default_factory=Acceptance)
-    drafted: bool = False  # has a draft session
-    draft_lag: int = 0  # context tokens a resumed draft session must still prefill before it drafts
-    draft_failures: int = 0  # consecutive draft failures (the resume backoff's exponent)
-    draft_retry_at: float = 0.0  # time.monotonic() after which a dropped draft may be resumed
-    draft_retryable: bool = True  # False after an error a reconnect cannot fix (another static vocabulary)
-
-    @property
-    def speculative(self) -> bool:
-        return self.spec.speculative
-
-    @property
-    def drafting(self) -> bool:
-        """Gets trees this step (a resumed draft catching up on the context does not yet)."""
-        return self.drafted and self.draft_lag == 0
 
     @property
     def kind(self) -> tuple:
@@ -114,12 +103,6 @@ class _Request:
     @property
     def max_len(self) -> int:
         return len(self.prompt_ids) + self.sampling.max_tokens + self.spec.tree.max_nodes + 2
-
-
-def fallback_reason(error: BaseException) -> str:
-    """One line for the statistics: the error's type and the first line of its message, at most 200 characters."""
-    message = str(error).splitlines()[0] if str(error) else ""
-    return f"{type(error).__name__}: {message}"[:200]
 
 
 class RequestHandle:
@@ -176,8 +159,9 @@ class Scheduler:
         if spec.speculative and self.drafter is None:
             self.decoder.validate(prompt_ids, sampling, spec)  # raises: no draft model
         seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little")
-        request = _Request(uuid.uuid4().hex, list(prompt_ids), sampling, spec, seed, sink, deadline,
-                           SpecStats(prompt_tokens=len(prompt_ids)))
+        stats = SpecStats(prompt_tokens=len(prompt_ids))
+        lease = DraftLease(stats, self.config.draft_retry_s, self.config.draft_max_retry_s)
+        request = _Request(uuid.uuid4().hex, list(prompt_ids), sampling, spec, seed, sink, deadline, stats, lease)
         self._check_fits(request)
         with self._lock:
             if self._died:
@@ -196,7 +180,7 @@ class Scheduler:
         InvalidRequestError naming max_tokens, not an overload a retry could fix)."""
         draft_arena = getattr(self.drafter, "arena", None)
         needs = [(request.max_len, self.arena.capacity, "kv_tokens")]
-        if request.speculative and draft_arena is not None:
+        if request.spec.speculative and draft_arena is not None:
             needs.append((self.drafter.kv_tokens(self._draft_request(request)), draft_arena.capacity,
                           "draft_kv_tokens"))
         for tokens, capacity, name in needs:
@@ -314,9 +298,9 @@ class Scheduler:
         with profile.span("plan"):
             prefills = self._plan_prefill()
             decoding = [r for r in self._running.values() if r.target.prefill_remaining == 0]
-            drafting = [r for r in decoding if r.drafting]  # before _draft: a catch-up may end in it, a failure drop
+            drafting = [r for r in decoding if r.lease.drafting]  # before _draft: a catch-up may end, a failure drop
             k = self._choose_depth(drafting, sum(prefills.values()))
-            draft_prefill = any(self._running[key].drafted for key in prefills) or any(r.draft_lag for r in decoding)
+            draft_prefill = any(self._running[key].lease.held for key in prefills) or any(r.lease.lag for r in decoding)
         start = time.perf_counter()
         with profile.span("draft"):
             trees = self._draft(decoding, prefills, k)
@@ -347,7 +331,7 @@ class Scheduler:
                 width = 1 if r.spec.tree.shape == "chain" else r.spec.tree.branching
                 drafted_rows[r.kind] = (sessions + 1, rows + width)
         self.budget.record_step(tokens, target_seconds, k if trees else 0, drafted_rows, draft_seconds)
-        speculative = [r for r in decoding if r.drafting]
+        speculative = [r for r in decoding if r.lease.drafting]
         if not prefills and speculative:
             self.budget.record_goodput(frozenset(r.kind for r in speculative), len(speculative), bool(trees),
                                        committed, draft_seconds + target_seconds)
@@ -371,7 +355,7 @@ class Scheduler:
                     self._fail(request, OverloadedError("no KV region large enough is free; retry later"))
                     continue
                 return  # FCFS: the head waits for KV, the others wait behind it
-            if request.speculative:
+            if request.spec.speculative:
                 try:
                     self.drafter.open(request.key, self._draft_request(request))
                 except OverloadedError as exc:
@@ -382,9 +366,9 @@ class Scheduler:
                         continue
                     return
                 except Exception as exc:  # noqa: BLE001 - no draft: the request runs target-only (lossless)
-                    self._note_draft_failure(request, exc)
+                    request.lease.failed(exc)
                 else:
-                    request.drafted = True
+                    request.lease.opened()
             request.target = self.decoder.target.open(request.prompt_ids, request.sampling, cache, request.seed)
             self._pop_waiting()
             self._running[request.key] = request
@@ -402,11 +386,12 @@ class Scheduler:
                 self._fail(request, DeadlineExceeded(f"deadline exceeded after {len(request.output_ids)} tokens"))
 
     def _resume_drafts(self) -> None:
-        """Generations whose draft failed get a new draft session once their backoff has passed and the drafter has
-        a draft available: over everything committed so far, prefilled in chunks (`draft_lag`) before it drafts."""
+        """Generations whose draft failed get a new draft session once their lease is due and the drafter has a
+        draft available: over everything committed so far, prefilled in chunks (the lease's `lag`) before it
+        drafts."""
         now = time.monotonic()
-        due = [r for r in self._running.values() if r.speculative and not r.drafted and r.draft_retryable
-               and r.target.prefill_remaining == 0 and now >= r.draft_retry_at]
+        due = [r for r in self._running.values()
+               if r.spec.speculative and r.target.prefill_remaining == 0 and r.lease.due(now)]
         if not due or not self.drafter.available():
             return
         for request in due:
@@ -415,12 +400,11 @@ class Scheduler:
                 self.drafter.open(request.key, DraftRequest(context, request.sampling, request.spec, request.max_len,
                                                             draft_seed(request.seed)))
             except Exception as exc:  # noqa: BLE001 - still no draft: try again after a longer backoff
-                self._note_draft_failure(request, exc)
+                request.lease.failed(exc)
                 continue
-            request.drafted, request.draft_lag = True, len(context) - 1
-            request.stats.draft_resumes += 1
+            request.lease.resumed(len(context))
             log.info("request %s resumes speculation (%d context tokens to catch up)", request.key[:8],
-                     request.draft_lag)
+                     request.lease.lag)
 
     def _plan_prefill(self) -> dict[str, int]:
         """Prompt tokens to prefill this step per request key: at most `prefill_chunk` in all, oldest first."""
@@ -440,9 +424,10 @@ class Scheduler:
         return self.budget.choose([(r.spec.tree, r.acceptance, r.kind) for r in speculative], prefill_tokens)
 
     def _draft(self, decoding: list[_Request], prefills: dict[str, int], k: int) -> dict[str, DraftTree]:
-        requests = {r.key: clip_depth(r.spec.tree, k) for r in decoding if r.drafting and k > 0}
-        draft_prefills = {key: n for key, n in prefills.items() if self._running[key].drafted}
-        catch_up = self._plan_catch_up(decoding, self.config.prefill_chunk - sum(draft_prefills.values()))
+        requests = {r.key: clip_depth(r.spec.tree, k) for r in decoding if r.lease.drafting and k > 0}
+        draft_prefills = {key: n for key, n in prefills.items() if self._running[key].lease.held}
+        catch_up = plan_catch_up([(r.key, r.lease) for r in decoding],
+                                 self.config.prefill_chunk - sum(draft_prefills.values()))
         draft_prefills.update(catch_up)
         if not requests and not draft_prefills:
             return {}
@@ -460,22 +445,12 @@ class Scheduler:
             elif key in requests:
                 trees[key] = tree
                 self._running[key].stats.draft_seconds += seconds
-                self._running[key].draft_failures = 0
+                self._running[key].lease.answered()
         for key, n in catch_up.items():
             request = self._running.get(key)
-            if request is not None and request.drafted:
-                request.draft_lag -= n
+            if request is not None:
+                request.lease.caught_up(n)
         return trees
-
-    @staticmethod
-    def _plan_catch_up(decoding: list[_Request], room: int) -> dict[str, int]:
-        """Context tokens each resumed draft session prefills this step: at most `room` in all, oldest first."""
-        plan = {}
-        for request in decoding:
-            if request.drafted and request.draft_lag and room > 0:
-                plan[request.key] = min(request.draft_lag, room)
-                room -= plan[request.key]
-        return plan
 
     def _verify(self, decoding: list[_Request], prefills: dict[str, int], trees: dict[str, DraftTree],
                 drafting: set[str]) -> tuple[int, float, float, int]:
@@ -509,13 +484,13 @@ class Scheduler:
                 request.acceptance.record(depth, accepted)
                 if self.budget is not None:
                     self.budget.record_acceptance(request.kind, depth, accepted)
-            if request.speculative and not (request.key in drafting and request.drafted):
+            if request.spec.speculative and not (request.key in drafting and request.lease.held):
                 stats.fallback_steps += 1  # no tree because the draft failed or was catching up (not depth 0)
             tokens, finish = apply_stop_rules(verified.result.committed_tokens, len(request.output_ids),
                                               request.sampling, self.decoder.eos_ids)
             request.output_ids.extend(tokens)
             stats.generated_tokens = len(request.output_ids)
-            if finish is None and request.drafted:
+            if finish is None and request.lease.held:
                 feedback[request.key] = (verified, stats)
             if tokens:
                 self._emit(request, TokensOut(tokens))
@@ -544,8 +519,7 @@ class Scheduler:
         self._running.pop(request.key, None)
         if request.target is not None:
             self.arena.release(request.target.cache)
-        if request.drafted:
-            request.drafted = False
+        if request.lease.release():
             try:
                 self.drafter.close(request.key)
             except Exception:  # noqa: BLE001 - closing is best effort; the draft side also times sessions out
@@ -555,31 +529,19 @@ class Scheduler:
         try:
             self.drafter.flush()
         except Exception as exc:  # noqa: BLE001 - the drafter's sessions go on target-only
-            for request in [r for r in self._running.values() if r.drafted]:
+            for request in [r for r in self._running.values() if r.lease.held]:
                 self._drop_draft(request, exc)
 
     def _drop_draft(self, request: _Request, error: BaseException) -> None:
-        """Lossless fallback: the generation goes on from its exact committed state without the draft (target-only
-        steps: greedy output stays the target's, sampling keeps its distribution; a tree that was never verified is
-        simply dropped). Its statistics count those steps and say why."""
-        if not request.drafted:
+        """Lossless fallback (lease.py): the generation goes on from its exact committed state without the draft;
+        its session is closed. Its statistics count those steps and say why."""
+        if not request.lease.lose(error):
             return
-        request.drafted, request.draft_lag = False, 0
-        self._note_draft_failure(request, error)
         log.warning("request %s continues without its draft: %s", request.key[:8], request.stats.fallback_reason)
         try:
             self.drafter.close(request.key)
         except Exception:  # noqa: BLE001 - closing is best effort
             pass
-
-    def _note_draft_failure(self, request: _Request, error: BaseException) -> None:
-        """Say why in the statistics, and when speculation may be resumed (exponential backoff; never after an
-        error a reconnect cannot fix)."""
-        request.stats.fallback_reason = fallback_reason(error)
-        request.draft_retryable = request.draft_retryable and getattr(error, "retryable", True)
-        delay = self.config.draft_retry_s * 2 ** request.draft_failures
-        request.draft_failures += 1
-        request.draft_retry_at = time.monotonic() + min(self.config.draft_max_retry_s, delay)
 
     def _fail(self, request: _Request, error: BaseException) -> None:
         self._release(request)
