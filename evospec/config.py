@@ -69,6 +69,16 @@ class TreeParams(BaseModel):
     def max_nodes(self) -> int:
         return self.num_draft_tokens if self.shape == "chain" else self.budget
 
+    @property
+    def levels(self) -> int:
+        """Levels of the deepest tree of this shape (a chain's length): the draft depth it asks for."""
+        return self.num_draft_tokens if self.shape == "chain" else self.depth
+
+    @property
+    def width(self) -> int:
+        """Children per expanded node, and nodes expanded (forwarded) per level: 1 for a chain."""
+        return 1 if self.shape == "chain" else self.branching
+
 
 class VocabParams(BaseModel):
     """static_size: K most frequent tokens (FR-Spec). dynamic_size: Dyna slots of the EvoSpec buffer."""

@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from evospec.kernels.tree import tree_depths
+
 
 @dataclass
 class DraftTree:
@@ -24,6 +26,11 @@ class DraftTree:
     @property
     def size(self) -> int:
         return int(self.token_ids.shape[0])
+
+    @property
+    def depth(self) -> int:
+        """Levels of this tree (0 = empty): the depth of its deepest node."""
+        return int(tree_depths(self.parents).max()) if self.size else 0
 
     @classmethod
     def empty(cls) -> "DraftTree":

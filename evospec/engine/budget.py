@@ -102,19 +102,14 @@ def draft_features(depth: int, sessions: int, rows_per_level: int) -> list[float
     return [1.0, float(sessions), float(depth), float(depth * rows_per_level)]
 
 
-def tree_depth(params: TreeParams) -> int:
-    return params.num_draft_tokens if params.shape == "chain" else params.depth
-
-
 def clipped_size(params: TreeParams, k: int) -> tuple[int, int]:
     """(depth, most nodes) of the request's shape cut to k levels: `clip_depth` without building it (the budget
     evaluates this for every request and depth, every step)."""
     if k <= 0:
         return 0, 0
+    depth = min(k, params.levels)
     if params.shape == "chain":
-        depth = min(k, params.num_draft_tokens)
         return depth, depth
-    depth = min(k, params.depth)
     b = params.branching
     return depth, min(params.budget, b + (depth - 1) * b * b)
 
@@ -230,12 +225,12 @@ class SpeculationBudget:
         ((shape, the request's acceptance, its draft kind) each)."""
         if not requests:
             return 0
-        max_depth = max(tree_depth(p) for p, _, _ in requests)
+        max_depth = max(p.levels for p, _, _ in requests)
         kinds: dict[tuple, list[int]] = {}  # kind -> [sessions, rows per level]
         for params, _, kind in requests:
             entry = kinds.setdefault(kind, [0, 0])
             entry[0] += 1
-            entry[1] += 1 if params.shape == "chain" else params.branching
+            entry[1] += params.width
         priors = {kind: self.priors(kind, max_depth) for kind in kinds}
         best_k, best = 0, -1.0
         for k in range(max_depth + 1):

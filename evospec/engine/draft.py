@@ -336,9 +336,8 @@ class TreeBuilder:
         what pre-drafting ranks the step's possible outcomes by)."""
         self.session = session
         self.params = params
-        chain = params.shape == "chain"
-        self.branching = 1 if chain else params.branching
-        self.levels_left = (params.num_draft_tokens if chain else params.depth) - 1
+        self.branching = params.width
+        self.levels_left = params.levels - 1
         self.budget = params.max_nodes
         self.budget_limits_expansion = not session.sampling.greedy  # sampling: no pruning, see module docstring
         self.active_ids = session.vocab.active.row_ids

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from evospec.config import TreeParams
-from evospec.engine.budget import tree_depth
 from evospec.tree import DraftTree
 from evospec.verify import VerifyResult
 
@@ -35,15 +34,13 @@ if TYPE_CHECKING:
 
 def forwarded_nodes(params: TreeParams) -> int:
     """Nodes a tree of this shape forwards while it is built (its last level never is)."""
-    if params.shape == "chain":
-        return params.num_draft_tokens - 1
-    return (params.depth - 1) * params.branching
+    return (params.levels - 1) * params.width
 
 
 def region_start(committed: int, params: TreeParams) -> int:
     """First slot of pre-drafting's scratch: after the tree in flight and enough spare slots that committing any
     outcome (at most D + 1 tokens) never reaches it."""
-    return committed + forwarded_nodes(params) + tree_depth(params) + 2
+    return committed + forwarded_nodes(params) + params.levels + 2
 
 
 def predraft_slots(params: TreeParams, hypotheses: int) -> int:

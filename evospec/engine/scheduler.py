@@ -39,7 +39,6 @@ from evospec.engine.budget import (
     clip_depth,
     draft_features,
     draft_kind,
-    tree_depth,
 )
 from evospec.engine.drafter import BatchDrafter, DraftRequest, LocalBatchDrafter
 from evospec.engine.generate import SpeculativeDecoder, apply_stop_rules
@@ -48,7 +47,6 @@ from evospec.engine.profile import StepProfile
 from evospec.engine.stats import SpecStats
 from evospec.engine.target import TargetSession
 from evospec.errors import EngineStoppedError, EvoSpecError, InvalidRequestError, OverloadedError, ShuttingDownError
-from evospec.kernels.tree import tree_depths
 from evospec.model import KVArena
 from evospec.model.qwen3 import forward_seconds
 from evospec.tree import DraftTree
@@ -420,7 +418,7 @@ class Scheduler:
         if not speculative:
             return 0
         if self.budget is None:
-            return max(tree_depth(r.spec.tree) for r in speculative)
+            return max(r.spec.tree.levels for r in speculative)
         return self.budget.choose([(r.spec.tree, r.acceptance, r.kind) for r in speculative], prefill_tokens)
 
     def _draft(self, decoding: list[_Request], prefills: dict[str, int], k: int) -> dict[str, DraftTree]:
@@ -480,7 +478,7 @@ class Scheduler:
             accepted = len(verified.result.accepted_nodes)
             stats.record_step(tree.size, accepted)
             if tree.size:
-                depth = int(tree_depths(tree.parents).max())
+                depth = tree.depth
                 request.acceptance.record(depth, accepted)
                 if self.budget is not None:
                     self.budget.record_acceptance(request.kind, depth, accepted)

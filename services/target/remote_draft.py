@@ -18,13 +18,11 @@ import torch
 
 from evospec.adapt.signal import teacher_signal
 from evospec.config import SpecParams, TreeParams
-from evospec.engine.budget import tree_depth
 from evospec.engine.drafter import DraftRequest, feedback_for
 from evospec.engine.profile import StepProfile
 from evospec.engine.stats import SpecStats
 from evospec.engine.target import VerifiedStep
 from evospec.errors import EvoSpecError
-from evospec.kernels.tree import tree_depths
 from evospec.services.common.convert import session_op_to_proto, tree_from_proto
 from evospec.services.protocol.v1 import speculation_pb2 as spec_pb
 from evospec.services.protocol.v1 import speculation_pb2_grpc as spec_grpc
@@ -210,7 +208,7 @@ class RemoteMuxDrafter:
         work: dict[_Link, list[spec_pb.DraftWork]] = {}
         for key, params in requests.items():
             work.setdefault(self._home[key], []).append(
-                spec_pb.DraftWork(session_id=key, depth=tree_depth(params), prefill_tokens=prefills.get(key, 0)))
+                spec_pb.DraftWork(session_id=key, depth=params.levels, prefill_tokens=prefills.get(key, 0)))
         for key, n in prefills.items():
             if key not in requests:
                 work.setdefault(self._home[key], []).append(spec_pb.DraftWork(session_id=key, prefill_tokens=n))
@@ -361,6 +359,6 @@ def checked_tree(tree: DraftTree, params: TreeParams) -> DraftTree:
         raise ValueError(f"tree has {tree.size} tokens but {tree.parents.shape[0]} parents")
     if tree.size > params.max_nodes:
         raise ValueError(f"tree of {tree.size} nodes; at most {params.max_nodes} were asked for")
-    if tree.size and int(tree_depths(tree.parents).max()) > tree_depth(params):
-        raise ValueError(f"tree deeper than the {tree_depth(params)} levels asked for")
+    if tree.depth > params.levels:
+        raise ValueError(f"tree deeper than the {params.levels} levels asked for")
     return tree
