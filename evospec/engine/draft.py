@@ -38,7 +38,6 @@ from evospec.engine.predraft import (
     predraft_slots,
     region_start,
 )
-from evospec.kernels.tree import chain_then_tree_mask
 from evospec.model import KVCache, Qwen3, Segment
 from evospec.sampling import logits_to_probs, sample_without_replacement
 from evospec.tree import DraftTree
@@ -130,7 +129,7 @@ class DraftEngine:
                       prefills: list[tuple[DraftSession, int]]) -> list[DraftTree]:
         builders = [TreeBuilder(self, session, params, session.predraft.hypotheses if session.predraft else 0)
                     for session, params in requests]
-        segments = [self.prefill_segment(session, n) for session, n in prefills]
+        segments = [Segment.prefill(session.cache, session.tokens, n) for session, n in prefills]
         segments += [b.feed_segment() for b in builders]
         hidden = self.model.forward_packed(segments) if segments else None
         offset = 0
@@ -178,16 +177,6 @@ class DraftEngine:
         for b in builders if account else ():
             b.session.head_seconds += share
         return logits
-
-    @staticmethod
-    def prefill_segment(session: DraftSession, n: int) -> Segment:
-        """The next `n` prompt tokens into the draft cache (never the last one: a tree's feed needs it)."""
-        cache = session.cache
-        if not 0 < n <= len(session.tokens) - 1 - cache.length:
-            raise ValueError(f"draft prefill of {n} tokens; {len(session.tokens) - 1 - cache.length} remain")
-        start = cache.length
-        return Segment(cache, torch.tensor(session.tokens[start:start + n]), torch.arange(start, start + n),
-                       chain_then_tree_mask(start, n, None), start)
 
     def advance(self, session: DraftSession, result: VerifyResult, feedback: TargetFeedback | None,
                 teacher: TeacherSignal | None = None) -> list:
@@ -358,10 +347,7 @@ class TreeBuilder:
     def feed_segment(self) -> Segment:
         """Committed tokens not in the draft cache yet (at least the last bonus token), as a chain."""
         cache = self.session.cache
-        chain = self.session.tokens[cache.length:]
-        start = cache.length
-        return Segment(cache, torch.tensor(chain, dtype=torch.long), torch.arange(start, start + len(chain)),
-                       chain_then_tree_mask(start, len(chain), None), start)
+        return Segment.chain(cache, self.session.tokens[cache.length:])
 
     def on_feed(self, root_logits: torch.Tensor) -> None:
         """root_logits: [|A|], after the fed chain is in the cache."""

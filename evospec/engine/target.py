@@ -72,7 +72,7 @@ class TargetEngine:
              verifies: list[tuple[TargetSession, DraftTree]]) -> list[VerifiedStep]:
         """One packed forward: the next `n` prompt tokens of each prefilling session, and [pending] + tree of each
         verifying session. Commits everything and returns the verifying sessions' steps, in order."""
-        segments = [self._prefill_segment(s, n) for s, n in prefills]
+        segments = [Segment.prefill(s.cache, s.tokens, n) for s, n in prefills]
         segments += [self._verify_segment(s, tree) for s, tree in verifies]
         if not segments:
             return []
@@ -93,15 +93,6 @@ class TargetEngine:
             steps.append(VerifiedStep(result, logits.index_select(0, rows)))
             offset += 1 + tree.size
         return steps
-
-    @staticmethod
-    def _prefill_segment(session: TargetSession, n: int) -> Segment:
-        cache = session.cache
-        if not 0 < n <= session.prefill_remaining:
-            raise ValueError(f"prefill of {n} tokens; {session.prefill_remaining} remain")
-        start = cache.length
-        return Segment(cache, torch.tensor(session.tokens[start:start + n]), torch.arange(start, start + n),
-                       chain_then_tree_mask(start, n, None), start)
 
     @staticmethod
     def _verify_segment(session: TargetSession, tree: DraftTree) -> Segment:

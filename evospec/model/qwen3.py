@@ -22,6 +22,7 @@ from torch import nn
 
 from evospec.kernels.kv import compact_kv
 from evospec.kernels.pruned_head import head_product
+from evospec.kernels.tree import chain_then_tree_mask
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2")
 
@@ -151,6 +152,22 @@ class Segment:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @classmethod
+    def chain(cls, cache: KVCache, token_ids: list[int]) -> Segment:
+        """`token_ids` as a causal chain right after the cache's filled slots (a prefill chunk, a draft's feed)."""
+        start, n = cache.length, len(token_ids)
+        return cls(cache, torch.tensor(token_ids, dtype=torch.long), torch.arange(start, start + n),
+                   chain_then_tree_mask(start, n, None), start)
+
+    @classmethod
+    def prefill(cls, cache: KVCache, tokens: list[int], n: int) -> Segment:
+        """The next `n` tokens of the sequence `tokens` not in `cache` yet, never its last one (pending: the next
+        tree's feed or verification starts from it). ValueError when fewer than `n` remain."""
+        remaining = len(tokens) - 1 - cache.length
+        if not 0 < n <= remaining:
+            raise ValueError(f"prefill of {n} tokens; {remaining} remain")
+        return cls.chain(cache, tokens[cache.length:cache.length + n])
 
 
 class Attention(nn.Module):
@@ -369,7 +386,6 @@ def forward_seconds(model: Qwen3, sizes=(1, 2), context: int = 32, repeats: int 
     import statistics
     import time
 
-    from evospec.kernels.tree import chain_then_tree_mask
     padding, model.pad_single_token = model.pad_single_token, False
     try:
         vocab = model.cfg.vocab_size
