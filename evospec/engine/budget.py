@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from evospec.config import SpecParams, TreeParams
+from evospec.model.qwen3 import Qwen3, forward_seconds
 from evospec.vocab.registry import traits
 
 
@@ -123,6 +124,20 @@ def clip_depth(params: TreeParams, k: int) -> TreeParams:
     return params.model_copy(update={"depth": depth, "budget": nodes})
 
 
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one engine step cost and gave, as the budget's models learn from it."""
+    depth: int  # the draft depth chosen for the step (k)
+    trees: list[tuple[tuple, TreeParams]]  # (draft kind, shape) of each session that got a tree
+    drafting: list[tuple]  # draft kinds of the decoding sessions that draft, after the step
+    prefilled: bool  # the target prefilled prompt tokens (its goodput is not drafting's)
+    draft_prefilled: bool  # a draft session prefilled (it would skew the per-level cost: nothing is recorded)
+    tokens: int  # the target forward's tokens
+    target_seconds: float
+    draft_seconds: float  # the draft side: trees and feedback
+    committed: int  # tokens the decoding sessions committed
+
+
 @dataclass
 class Acceptance:
     """Per tree level j: steps whose tree reached level j with levels 1..j-1 accepted (`reached`), and steps where
@@ -168,6 +183,7 @@ class SpeculationBudget:
 
     def __init__(self, target_cost: TokenCostTable, draft_prior: OnlineCost, prior_alpha: float = 0.6,
                  explore_every: int = 64):
+        """Use `measured` to start from the models' own start-up costs."""
         self.target_cost = target_cost  # one target forward alone, by tokens
         self.draft_prior = draft_prior  # start-up model of what drafting adds; each kind starts from a copy
         self.draft_costs: dict[tuple, OnlineCost] = {}
@@ -178,6 +194,24 @@ class SpeculationBudget:
         self._explore_interval = explore_every
         self._goodput: dict[tuple, float] = {}  # (kinds, batch-size bucket, drafted) -> measured tokens/s
 
+    @classmethod
+    def measured(cls, target: Qwen3, draft: Qwen3 | None) -> "SpeculationBudget":
+        """Start-up costs: target forwards (with the full head) of 1 to 128 tokens, and draft forwards of 1/8 rows
+        without any head (draft None: a remote draft, learnt from the first steps; it starts at a tenth of a target
+        step per level). The draft's estimate is optimistic on purpose: the first steps then draft, measure what
+        drafting really costs with each method's head, and the estimate follows (a pessimistic start would never
+        draft, so it would never learn otherwise)."""
+        target_cost, draft_cost = TokenCostTable(), OnlineCost(4)
+        target_seconds = forward_seconds(target, sizes=(1, 2, 4, 8, 16, 32, 64, 128), repeats=2, with_head=True)
+        for n, seconds in target_seconds.items():
+            target_cost.update(n, seconds)
+        if draft is not None:
+            for sessions, seconds in forward_seconds(draft, sizes=(1, 8), repeats=2).items():
+                draft_cost.calibrate(draft_features(1, sessions, sessions), seconds)  # a depth-1 step of chains
+        else:
+            draft_cost.calibrate(draft_features(1, 1, 1), target_seconds[1] / 10)
+        return cls(target_cost, draft_cost, explore_every=32)
+
     def draft_cost(self, kind: tuple) -> OnlineCost:
         if kind not in self.draft_costs:
             self.draft_costs[kind] = copy.deepcopy(self.draft_prior)
@@ -185,6 +219,26 @@ class SpeculationBudget:
 
     def record_acceptance(self, kind: tuple, depth_drafted: int, accepted_len: int) -> None:
         self.acceptance.setdefault(kind, Acceptance()).record(depth_drafted, accepted_len)
+
+    def record_tree(self, request: Acceptance, kind: tuple, depth_drafted: int, accepted_len: int) -> None:
+        """One verified tree of a request: into the request's own acceptance and its kind's."""
+        request.record(depth_drafted, accepted_len)
+        self.record_acceptance(kind, depth_drafted, accepted_len)
+
+    def record_step_outcome(self, outcome: StepOutcome) -> None:
+        """What an engine step cost and gave: its costs (`record_step`; drafting rows by kind) and, for a step of
+        decoding alone, its goodput (`record_goodput`). A step in which a draft session prefilled is skipped."""
+        if outcome.draft_prefilled:
+            return
+        drafted_rows: dict[tuple, tuple[int, int]] = {}  # kind -> (sessions, rows per level) that got trees
+        for kind, shape in outcome.trees:
+            sessions, rows = drafted_rows.get(kind, (0, 0))
+            drafted_rows[kind] = (sessions + 1, rows + shape.width)
+        self.record_step(outcome.tokens, outcome.target_seconds, outcome.depth if outcome.trees else 0,
+                         drafted_rows, outcome.draft_seconds)
+        if not outcome.prefilled and outcome.drafting:
+            self.record_goodput(frozenset(outcome.drafting), len(outcome.drafting), bool(outcome.trees),
+                                outcome.committed, outcome.draft_seconds + outcome.target_seconds)
 
     def record_step(self, tokens: int, target_seconds: float, depth: int = 0,
                     drafting: dict[tuple, tuple[int, int]] | None = None, draft_seconds: float = 0.0) -> None:

@@ -31,15 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from evospec.config import SamplingParams, SchedulerConfig, SpecParams, draft_seed
-from evospec.engine.budget import (
-    Acceptance,
-    OnlineCost,
-    SpeculationBudget,
-    TokenCostTable,
-    clip_depth,
-    draft_features,
-    draft_kind,
-)
+from evospec.engine.budget import Acceptance, SpeculationBudget, StepOutcome, clip_depth, draft_kind
 from evospec.engine.drafter import BatchDrafter, DraftRequest, LocalBatchDrafter
 from evospec.engine.generate import SpeculativeDecoder, apply_stop_rules
 from evospec.engine.lease import DraftLease, plan_catch_up
@@ -48,7 +40,6 @@ from evospec.engine.stats import SpecStats
 from evospec.engine.target import TargetSession
 from evospec.errors import EngineStoppedError, EvoSpecError, InvalidRequestError, OverloadedError, ShuttingDownError
 from evospec.model import KVArena
-from evospec.model.qwen3 import forward_seconds
 from evospec.tree import DraftTree
 
 log = logging.getLogger(__name__)
@@ -126,7 +117,8 @@ class Scheduler:
     def __init__(self, decoder: SpeculativeDecoder, config: SchedulerConfig = SchedulerConfig(),
                  drafter: BatchDrafter | None = None, budget: SpeculationBudget | None = None):
         """decoder: the target (and, for an in-process draft, the draft) with their vocabulary policies and stop
-        ids; drafter: where trees come from (default: the decoder's draft model in this process, batched)."""
+        ids; drafter: where trees come from (default: the decoder's draft model in this process, batched); budget:
+        what chooses each step's draft depth (default: measured now when `config.adaptive`, else none)."""
         self.decoder, self.config = decoder, config
         self.arena = KVArena(decoder.target.model, config.kv_tokens)
         if drafter is None and decoder.draft is not None:
@@ -136,7 +128,10 @@ class Scheduler:
         self.profile = StepProfile()  # where step time goes (evospec bench decoupled --breakdown)
         if hasattr(drafter, "profile"):
             drafter.profile = self.profile  # a remote drafter adds its transport's parts
-        self.budget = budget if budget is not None or not config.adaptive else self._measured_budget()
+        if budget is None and config.adaptive:
+            budget = SpeculationBudget.measured(decoder.target.model,
+                                                decoder.draft.model if decoder.draft is not None else None)
+        self.budget = budget
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: dict[str, _Request] = {}  # key -> request, in admission order
         self._lock = threading.Lock()
@@ -306,33 +301,18 @@ class Scheduler:
         tokens, target_seconds, feedback_seconds, committed = self._verify(decoding, prefills, trees,
                                                                            {r.key for r in drafting})
         with profile.span("plan"):
-            self._record_costs(decoding, prefills, trees, k, draft_prefill, tokens, target_seconds,
-                               draft_seconds + feedback_seconds, committed)
+            if self.budget is not None:
+                self.budget.record_step_outcome(StepOutcome(
+                    depth=k, trees=[(r.kind, r.spec.tree) for r in decoding if r.key in trees],
+                    drafting=[r.kind for r in decoding if r.lease.drafting], prefilled=bool(prefills),
+                    draft_prefilled=draft_prefill, tokens=tokens, target_seconds=target_seconds,
+                    draft_seconds=draft_seconds + feedback_seconds, committed=committed))
         if self.drafter is not None:
             with profile.span("flush"):
                 self._flush_drafter()
         self.steps += 1
         profile.count_step(k)
         self.depth_histogram[k] += 1
-
-    def _record_costs(self, decoding: list[_Request], prefills: dict[str, int], trees: dict[str, DraftTree], k: int,
-                      draft_prefill: bool, tokens: int, target_seconds: float, draft_seconds: float,
-                      committed: int) -> None:
-        """What the step cost and gave, for the speculation budget's models (a draft prefill chunk would skew the
-        per-level cost, so such steps are not recorded)."""
-        if self.budget is None or draft_prefill:
-            return
-        drafted_rows: dict[tuple, tuple[int, int]] = {}  # kind -> (sessions, rows per level) that got trees
-        for r in decoding:
-            if r.key in trees:
-                sessions, rows = drafted_rows.get(r.kind, (0, 0))
-                width = 1 if r.spec.tree.shape == "chain" else r.spec.tree.branching
-                drafted_rows[r.kind] = (sessions + 1, rows + width)
-        self.budget.record_step(tokens, target_seconds, k if trees else 0, drafted_rows, draft_seconds)
-        speculative = [r for r in decoding if r.lease.drafting]
-        if not prefills and speculative:
-            self.budget.record_goodput(frozenset(r.kind for r in speculative), len(speculative), bool(trees),
-                                       committed, draft_seconds + target_seconds)
 
     # ---- one step, layer by layer -------------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -477,11 +457,8 @@ class Scheduler:
             stats.verify_seconds += seconds
             accepted = len(verified.result.accepted_nodes)
             stats.record_step(tree.size, accepted)
-            if tree.size:
-                depth = tree.depth
-                request.acceptance.record(depth, accepted)
-                if self.budget is not None:
-                    self.budget.record_acceptance(request.kind, depth, accepted)
+            if tree.size and self.budget is not None:
+                self.budget.record_tree(request.acceptance, request.kind, tree.depth, accepted)
             if request.spec.speculative and not (request.key in drafting and request.lease.held):
                 stats.fallback_steps += 1  # no tree because the draft failed or was catching up (not depth 0)
             tokens, finish = apply_stop_rules(verified.result.committed_tokens, len(request.output_ids),
@@ -551,21 +528,3 @@ class Scheduler:
             request.sink(event)
         except Exception:  # noqa: BLE001
             request.cancelled.set()
-
-    def _measured_budget(self) -> SpeculationBudget:
-        """Start-up costs: target forwards (with the full head) of 1/16/64 tokens, and draft forwards of 1/8 rows
-        without any head. The draft's estimate is optimistic on purpose: the first steps then draft, measure what
-        drafting really costs with each method's head, and the estimate follows (a pessimistic start would never
-        draft, so it would never learn otherwise)."""
-        target_cost, draft_cost = TokenCostTable(), OnlineCost(4)
-        target = forward_seconds(self.decoder.target.model, sizes=(1, 2, 4, 8, 16, 32, 64, 128), repeats=2,
-                                 with_head=True)
-        for n, seconds in target.items():
-            target_cost.update(n, seconds)
-        if self.decoder.draft is not None:
-            draft = forward_seconds(self.decoder.draft.model, sizes=(1, 8), repeats=2)
-            for sessions, seconds in draft.items():  # a depth-1 step of `sessions` chains
-                draft_cost.calibrate(draft_features(1, sessions, sessions), seconds)
-        else:  # a remote draft: learnt from the first steps; start at a tenth of a target step per level
-            draft_cost.calibrate(draft_features(1, 1, 1), target[1] / 10)
-        return SpeculationBudget(target_cost, draft_cost, explore_every=32)
