@@ -6,6 +6,7 @@ of the logits (-1 = an unused dynamic slot, masked to -inf), so the draft step h
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,49 @@ class ActiveVocab:
         self.dynamic_rows[slot_t[valid]] = head_weight[ids_t[valid]]  # [c', hidden]
         self.dynamic_valid[slot_t] = valid
         self.dynamic_bias[slot_t] = torch.tensor(biases, dtype=torch.float32, device=device)
+
+
+class ActiveIds:
+    """Which full ids A holds, slot by slot: `row_ids` ([K + Dyna] int64: the static prefix, then the dynamic slots;
+    -1 = an empty slot), the membership `mask` ([vocab_size] bool) and the retrieval source of each dynamic id
+    (`source_of`). `apply` keeps them in step with the dynamic buffer's slot changes: the one routine for the draft's
+    own A (EvoSessionVocab, which shares `row_ids` with its ActiveVocab) and the target's mirror of it
+    (services/target/remote_draft.py)."""
+
+    def __init__(self, row_ids: torch.Tensor, num_static: int, vocab_size: int):
+        self.row_ids = row_ids
+        self.num_static = num_static
+        self.dynamic_ids: list[int] = row_ids[num_static:].tolist()  # the dynamic slots' ids, read without a sync
+        self.mask = torch.zeros(vocab_size, dtype=torch.bool, device=row_ids.device)
+        self.mask[row_ids[row_ids >= 0]] = True
+        self.source_of: dict[int, str] = {}
+
+    def apply(self, changes: Iterable) -> None:
+        """Slot changes in order (each with the dynamic `slot`, its new `token_id`, -1 = emptied, and the `source`
+        that proposed it: a SlotChange or its proto). A slot may change more than once (replies can carry several
+        updates); the ids that leave go out of the mask and the sources before the ids that stay come in."""
+        last: dict[int, object] = {}  # slot -> its last change
+        leaving: list[int] = []
+        for change in changes:
+            old = self.dynamic_ids[change.slot]
+            if old >= 0:
+                leaving.append(old)
+            self.dynamic_ids[change.slot] = change.token_id
+            last[change.slot] = change
+        if not last:
+            return
+        device = self.row_ids.device
+        slots, ids = list(last), [last[slot].token_id for slot in last]
+        if leaving:
+            self.mask[torch.tensor(leaving, dtype=torch.long, device=device)] = False
+        self.row_ids[torch.tensor(slots, dtype=torch.long, device=device) + self.num_static] = \
+            torch.tensor(ids, dtype=torch.long, device=device)
+        self.mask[torch.tensor([t for t in ids if t >= 0], dtype=torch.long, device=device)] = True
+        for token_id in leaving:
+            self.source_of.pop(token_id, None)
+        for change in last.values():
+            if change.token_id >= 0:
+                self.source_of[change.token_id] = change.source
 
 
 def full_vocab(head_weight: torch.Tensor) -> ActiveVocab:

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from evospec.verify import VerifyResult
-from evospec.vocab.active import ActiveVocab, static_vocab
+from evospec.vocab.active import ActiveIds, ActiveVocab, static_vocab
 from evospec.vocab.dynamic import DynamicBuffer, SlotChange
 from evospec.vocab.retrieval import (
     CoocIndex,
@@ -169,20 +169,24 @@ class EvoSessionVocab:
         self.policy = policy
         self.wants_target_feedback = s.use_target
         self.active = policy.static.with_dynamic_slots(policy.head_weight, s.dynamic_size)
+        self.ids = ActiveIds(self.active.row_ids, self.active.num_static, policy.head_weight.shape[0])  # applied
         self.buffer = DynamicBuffer(s.dynamic_size, s.min_residency, s.buffer_decay)
         self.stat = StatisticalRetriever(policy.long_tail_list, s.stat_decay, policy.cooc) if s.use_statistical \
             else None
         self.semantic = SemanticRetriever(policy.index, policy.long_tail, k=s.semantic_k) if s.use_semantic else None
         self.tokens = list(prompt_ids)
         self.step = 0
-        self._mask = self.active.contains_mask(policy.head_weight.shape[0])
-        self.source_of: dict[int, str] = {}  # applied: dynamic id -> the source that put it in D
         self._pending: Future | None = None
         self.initial_changes = self._apply(self._update(prompt_ids, self.tokens, None, 0,
                                                         semantic=self.semantic is not None, generated=False))
 
     def in_active(self) -> torch.Tensor:
-        return self._mask
+        return self.ids.mask
+
+    @property
+    def source_of(self) -> dict[int, str]:
+        """Applied: dynamic id -> the source that put it in D."""
+        return self.ids.source_of
 
     def observe(self, result: VerifyResult, feedback: TargetFeedback | None) -> list[SlotChange]:
         """Between steps: apply the update that is due, start this step's update. -> the slot changes applied now
@@ -232,19 +236,13 @@ class EvoSessionVocab:
                            [self.buffer.slot_of[t] for t in confirmed if t in self.buffer])
 
     def _apply(self, delta: BufferDelta) -> list[SlotChange]:
-        """A delta into A's rows (one gather of the changed rows), the membership mask and the ids' sources."""
+        """A delta into A's ids, membership mask and sources (`ActiveIds.apply`) and its rows (one gather of the
+        changed rows)."""
         changes = delta.changes
         if changes:
+            self.ids.apply(changes)
             self.active.set_dynamic_many(self.policy.head_weight, [c.slot for c in changes],
                                          [c.token_id for c in changes], delta.biases)
-            evicted = [c.evicted for c in changes if c.evicted >= 0]
-            if evicted:
-                self._mask[torch.tensor(evicted)] = False
-            self._mask[torch.tensor([c.token_id for c in changes if c.token_id >= 0], dtype=torch.long)] = True
-            for change in changes:
-                self.source_of.pop(change.evicted, None)
-                if change.token_id >= 0:
-                    self.source_of[change.token_id] = change.source
         if delta.confirmed_slots:  # residents the target just vouched for lose their penalty
             self.active.dynamic_bias[torch.tensor(delta.confirmed_slots, dtype=torch.long)] = 0.0
         return changes

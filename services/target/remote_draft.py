@@ -28,36 +28,22 @@ from evospec.services.protocol.v1 import speculation_pb2 as spec_pb
 from evospec.services.protocol.v1 import speculation_pb2_grpc as spec_grpc
 from evospec.services.target.draft_link import DraftReplica, DraftReplicas
 from evospec.tree import DraftTree
+from evospec.vocab.active import ActiveIds
 from evospec.vocab.registry import ActiveLayout
 
 
-class ActiveSetMirror:
-    """The target's copy of the draft's A: static prefix + dynamic slots, kept in sync by slot changes, and the
-    retrieval source of each dynamic id (for the buffer-hit statistics)."""
+class ActiveSetMirror(ActiveIds):
+    """The target's copy of the draft's A: static prefix + dynamic slots, kept in sync by the slot changes of the
+    draft's replies (`ActiveIds.apply`, the routine the draft's own A uses), with the retrieval source of each dynamic
+    id (for the buffer-hit statistics)."""
 
     def __init__(self, static_ids: torch.Tensor | None, dynamic_size: int, vocab_size: int):
-        if static_ids is None:  # sd: A is the whole vocabulary
-            self.row_ids = torch.arange(vocab_size)
-            self.restricted = False
+        self.restricted = static_ids is not None
+        if static_ids is None:  # a full head: A is the whole vocabulary, every row static
+            super().__init__(torch.arange(vocab_size), vocab_size, vocab_size)
         else:
-            self.row_ids = torch.cat([static_ids, torch.full((dynamic_size,), -1, dtype=torch.long)])
-            self.restricted = True
-        self.num_static = 0 if static_ids is None else static_ids.shape[0]
-        self.mask = torch.zeros(vocab_size, dtype=torch.bool)
-        self.mask[self.row_ids[self.row_ids >= 0]] = True
-        self.source_of: dict[int, str] = {}
-
-    def apply(self, changes) -> None:
-        for ch in changes:
-            slot = self.num_static + ch.slot
-            old = int(self.row_ids[slot])
-            if old >= 0:
-                self.mask[old] = False
-                self.source_of.pop(old, None)
-            self.row_ids[slot] = ch.token_id
-            if ch.token_id >= 0:
-                self.mask[ch.token_id] = True
-                self.source_of[ch.token_id] = ch.source
+            row_ids = torch.cat([static_ids, torch.full((dynamic_size,), -1, dtype=torch.long)])
+            super().__init__(row_ids, static_ids.shape[0], vocab_size)
 
 
 class DraftStreamError(EvoSpecError):
