@@ -242,21 +242,28 @@ def target_kill(client, app: str, streams: int, max_tokens: int) -> dict:
     kill_replica(app, "Target")
     for t in threads:
         t.join(timeout=300)
-    recovered = float("inf")
-    while time.monotonic() - killed < 120:
+    return {"scenario": "target_kill", **client_side_figures(results),
+            "answers_again_after_s": round(answers_again_s(client, since=killed, timeout_s=120), 2)}
+
+
+def answers_again_s(client, since: float, timeout_s: float) -> float:
+    """Seconds from `since` until a short generation succeeds again (inf after `timeout_s`)."""
+    while time.monotonic() - since < timeout_s:
         try:
             client.generate(PROMPTS[0], method="evospec", max_tokens=4, timeout=30)
-            recovered = time.monotonic() - killed
-            break
+            return time.monotonic() - since
         except Exception:  # noqa: BLE001 - not back yet
             time.sleep(0.25)
+    return float("inf")
+
+
+def client_side_figures(results: list[StreamResult]) -> dict:
+    """What the clients of a target failure saw: completions, status codes, messages, and any internals in them."""
     messages = [f"{r.error_code}: {r.error}" for r in results if r.error_code]
-    return {"scenario": "target_kill", "streams": len(results),
-            "completed": sum(bool(r.finish_reason) for r in results),
+    return {"streams": len(results), "completed": sum(bool(r.finish_reason) for r in results),
             "error_codes": sorted({r.error_code for r in results if r.error_code}),
             "errors": sorted(set(messages)),
-            "leaking_internals": sum(any(w.lower() in m.lower() for w in INTERNALS) for m in messages),
-            "answers_again_after_s": round(recovered, 2)}
+            "leaking_internals": sum(any(w.lower() in m.lower() for w in INTERNALS) for m in messages)}
 
 
 def stop_scheduler_thread(actor) -> None:
@@ -287,21 +294,9 @@ def target_engine_death(client, app: str, streams: int, max_tokens: int) -> dict
     for t in threads:
         t.join(timeout=300)
     replaced = wait_replaced(app, "Target", before)
-    recovered = float("inf")
-    while time.monotonic() - died < 300:
-        try:
-            client.generate(PROMPTS[0], method="evospec", max_tokens=4, timeout=30)
-            recovered = time.monotonic() - died
-            break
-        except Exception:  # noqa: BLE001 - not back yet
-            time.sleep(0.25)
-    messages = [f"{r.error_code}: {r.error}" for r in results if r.error_code]
-    return {"scenario": "target_engine_death", "streams": len(results),
-            "completed": sum(bool(r.finish_reason) for r in results),
-            "error_codes": sorted({r.error_code for r in results if r.error_code}),
-            "errors": sorted(set(messages)),
-            "leaking_internals": sum(any(w.lower() in m.lower() for w in INTERNALS) for m in messages),
-            "replaced_after_s": round(replaced - died, 2), "answers_again_after_s": round(recovered, 2)}
+    return {"scenario": "target_engine_death", **client_side_figures(results),
+            "replaced_after_s": round(replaced - died, 2),
+            "answers_again_after_s": round(answers_again_s(client, since=died, timeout_s=300), 2)}
 
 
 def run_all(address: str, app: str, streams_per_method: int, max_tokens: int, freeze_s: float) -> list[dict]:

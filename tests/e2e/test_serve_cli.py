@@ -1,13 +1,14 @@
 """The Serve-CLI path of docs/deploy.md, run the way a user runs it on a CPU-only machine:
 
-    ray start --head --num-gpus=2 --node-ip-address=127.0.0.1
-    RAY_ADDRESS=127.0.0.1:PORT RAY_AUTH_MODE=token serve run orchestration/configs/serve-cpu.yaml
+    RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=... ray start --head --num-gpus=2 --node-ip-address=127.0.0.1
+    RAY_ADDRESS=127.0.0.1:PORT RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=... serve run orchestration/configs/serve-cpu.yaml
 
 on a cluster of its own (private temp dir, free ports; the YAML is copied with free HTTP/gRPC ports instead of
 8000/9000). Teardown stops only the processes this test started: SIGINT to `serve run` (deletes the app), SIGTERM to
 `ray start --block` (stops the cluster it started); never `ray stop`.
 """
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -55,7 +56,12 @@ def stop(proc: subprocess.Popen, sig: int, timeout_s: float = 60) -> None:
 @pytest.fixture(scope="module")
 def cli_service():
     tmp = Path(tempfile.mkdtemp(prefix="rc-", dir="/tmp"))  # short: Ray's unix socket paths must stay < 107 bytes
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # Token authentication on both sides with a token of this cluster's own (RAY_AUTH_TOKEN_PATH): neither side
+    # creates one, and relying on ~/.ray/auth_token made this pass only where an earlier run had left one.
+    token_path = tmp / "auth_token"
+    token_path.write_text(secrets.token_hex(32))
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_AUTH_MODE": "token",
+           "RAY_AUTH_TOKEN_PATH": str(token_path)}
     gcs_port = free_port()
     head_log = tmp / "head.log"
     head = subprocess.Popen(
@@ -75,7 +81,7 @@ def cli_service():
         config_path.write_text(yaml.safe_dump(config))
         serve_log = tmp / "serve.log"
         serve_proc = subprocess.Popen([str(BIN / "serve"), "run", str(config_path)], cwd=ROOT,
-                                      env={**env, "RAY_ADDRESS": f"127.0.0.1:{gcs_port}", "RAY_AUTH_MODE": "token"},
+                                      env={**env, "RAY_ADDRESS": f"127.0.0.1:{gcs_port}"},
                                       stdout=serve_log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
         from evospec_client import EvoSpecClient
         with EvoSpecClient(f"127.0.0.1:{grpc_port}", timeout=120) as client:
