@@ -276,7 +276,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--draft-quantize", default="int8", choices=("none", "int8"),
                     help="the draft's layers (real pairs; int8 = the shipped CPU config). The full-parameter arm "
                          "trains float weights: run it with none")
-    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="the target's (real pairs)")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                    help="the target's (real pairs; auto: bf16 only where the CPU has it natively)")
     ap.add_argument("--rank", type=int, default=base.rank)
     ap.add_argument("--lr", type=float, default=base.lr)
     ap.add_argument("--teacher-top-k", type=int, default=base.teacher_top_k)

@@ -217,7 +217,8 @@ def plot_heatmap(results: dict, statics, dynamics, path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", default=TINY, choices=pair_names())
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="target, real pairs")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                    help="target, real pairs (auto: bf16 only where the CPU has it natively)")
     ap.add_argument("--draft-quantize", default="int8", choices=["int8", "none"], help="draft layers, real pairs")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (this machine has 2 cores)")
     ap.add_argument("--repeats", type=int, default=2)

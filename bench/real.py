@@ -3,7 +3,7 @@ side by side in one process: transformers `generate` and assisted generation on 
 `ar`, `sd`, `frspec` 16k/32k and `evospec` 32k+256 / 16k+1024, chain and tree shapes; medical (held-out PubMedQA)
 and general (Spec-Bench) prompts; greedy and T=1.
 
-    evospec bench real [--repeats 3] [--prompts 2] [--max-tokens 48] [--dtype bfloat16] [--threads 2]
+    evospec bench real [--repeats 3] [--prompts 2] [--max-tokens 48] [--dtype auto] [--threads 2]
 
 Our draft runs int8 decoder layers by default (`--draft-quantize`; lossless either way: the target verifies), and one
 arm repeats frspec-32k with the unquantized draft that HF assisted generation uses. Also measured and recorded: one
@@ -24,7 +24,7 @@ from evospec.bench.harness import Arm, run_side_by_side, write_results
 from evospec.bench.v1 import hf_arm, load_hf_models, tokenize_sets
 from evospec.config import SamplingParams, SpecParams, TreeParams
 from evospec.engine.generate import SpeculativeDecoder
-from evospec.loading import LoadedPair, load_named_pair, load_qwen3_folder, named_pair_folders
+from evospec.loading import LoadedPair, load_named_pair, load_qwen3_folder, named_pair_folders, resolve_dtype
 from evospec.model.qwen3 import forward_seconds
 
 CHAIN = TreeParams(shape="chain", num_draft_tokens=4)
@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=2, help="prompts per set")
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="target (and HF peers)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                    help="target (and HF peers; auto: bf16 only where the CPU has it natively)")
     ap.add_argument("--draft-quantize", default="int8", choices=["int8", "none"],
                     help="our draft: int8 decoder layers (default, measured faster on CPU) or the --dtype weights; "
                          "with int8, `frspec-32k/draft-<dtype>` repeats frspec-32k with the unquantized draft")
@@ -98,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         path.write_text(json.dumps({"threads": torch.get_num_threads(), "forward_ms_by_new_tokens": costs}, indent=1))
         print(json.dumps(costs, indent=1))
         return
+    args.dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")  # recorded as chosen
     pair: LoadedPair = load_named_pair(args.pair, dtype=args.dtype, draft_quantize=args.draft_quantize)
     arms = speculative_arms(args.shapes)
     if args.draft_quantize == "int8":  # the same method with the draft HF assisted generation uses

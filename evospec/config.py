@@ -114,8 +114,9 @@ class SpecParams(BaseModel):
 
 class ModelConfig(BaseModel):
     """One model of the pair. path None = the embedded tiny pair. device auto = CUDA when available, else CPU;
-    dtype auto = bfloat16 on CUDA, float32 on CPU. torch_threads None = leave torch's (or Ray's) choice (Ray sets one
-    thread for a replica with num_cpus 0).
+    dtype auto = bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16, AMX), float32 on other CPUs (chosen at
+    load: evospec/loading.py; the embedded tiny pair stays float32, the reference its exact tests compare with).
+    torch_threads None = leave torch's (or Ray's) choice (Ray sets one thread for a replica with num_cpus 0).
     quantize int8 = dynamic int8 decoder layers (CPU, float32; meant for the draft, whose output is only proposed)."""
     model_config = ConfigDict(frozen=True, extra="forbid")
     path: str | None = None

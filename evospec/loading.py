@@ -1,8 +1,10 @@
 """Load a draft/target pair (local HF folders, or the embedded tiny pair), its stop ids and a static vocabulary."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,8 @@ DEFAULT_STATIC_VOCAB = VOCAB_DATA / "qwen3-specbench-32k.json"
 DEFAULT_COOC = VOCAB_DATA / "cooc-pubmedqa.safetensors"
 STORE_PREFIX = "store:"  # ModelConfig.path "store:<pair>/<role>" = a pair fetched by `evospec models fetch <pair>`
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 (AVX512-BF16, AMX-BF16) and arm64 (/proc/cpuinfo)
+log = logging.getLogger(__name__)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -31,10 +35,55 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo is not readable)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively. Without it (AVX2 only), torch's bf16 matmuls convert in software:
+    a prefill measured 4.8x slower than float32 (docs/results.md, "Dtype chosen for the machine")."""
+    flags = cpu_flags()
+    if flags:
+        return bool(flags & NATIVE_BF16_FLAGS)
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)  # no /proc/cpuinfo: ask torch (private API)
+    return bool(probe and probe())
+
+
+@functools.cache
+def cpu_description() -> str:
+    """The CPU model and what torch runs on it, for logs, Info and every benchmark result."""
+    model = ""
+    try:
+        model = next((line.partition(":")[2].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), "")
+    except OSError:
+        pass
+    native = "native bf16" if cpu_has_native_bf16() else "no native bf16"
+    return f"{model or 'unknown CPU'} ({torch.backends.cpu.get_cpu_capability()}, {native})"
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on CUDA and on CPUs that multiply bf16 natively, float32 on every other CPU (float32 is the
+    reference numerics: the served numerics can differ between machines, greedy output with them)."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[dtype]
+        if device.type == "cuda" or cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
+    chosen = DTYPES[dtype]
+    if device.type == "cpu" and chosen == torch.bfloat16 and not cpu_has_native_bf16():
+        log.warning("dtype bfloat16 on a CPU without native bf16 (%s): forwards run several times slower than in "
+                    "float32; `dtype: auto` chooses float32 here", cpu_description())
+    return chosen
 
 
 def apply_torch_threads(threads: int | None) -> None:
@@ -72,7 +121,14 @@ def model_folder(cfg: ModelConfig, role: str) -> Path:
 
 def load_model(cfg: ModelConfig, role: str) -> tuple[Qwen3, Path]:
     folder = model_folder(cfg, role)
-    return load_qwen3_folder(folder, cfg.dtype, cfg.device, cfg.quantize), folder
+    # The embedded tiny pair (8M parameters: no speed to win) stays in float32 under auto, the reference numerics its
+    # token-for-token tests compare against, whatever the CPU.
+    dtype = "float32" if cfg.path is None and cfg.dtype == "auto" else cfg.dtype
+    model = load_qwen3_folder(folder, dtype, cfg.device, cfg.quantize)
+    weights = model.embed_tokens.weight
+    log.info("%s %s: %s on %s (dtype %s%s)", role, folder.name, weights.dtype, weights.device, cfg.dtype,
+             f"; CPU {cpu_description()}" if weights.device.type == "cpu" else "")
+    return model, folder
 
 
 def load_qwen3_folder(folder: Path, dtype: str = "auto", device: str = "auto", quantize: str = "none") -> Qwen3:

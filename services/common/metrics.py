@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 
 from evospec.adapt.learner import AdaptStats
 from evospec.engine.stats import SpecStats
+from evospec.loading import cpu_description
 from evospec.vocab.policy import SOURCES
 from evospec.vocab.registry import traits
 
@@ -178,6 +179,9 @@ class HttpMetrics:
         self.adapter_version = Gauge("evospec:adapter_version", "Adapter version a draft replica serves with (0 = "
                                      "the base model), read from one draft replica at scrape time.",
                                      labelnames=("model_name", "mode"), registry=self.registry)
+        self.engine_info = Gauge("evospec:engine_info", "1, labelled with what the target computes in (dtype auto "
+                                 "chooses per machine) and the replica's CPU.",
+                                 labelnames=("model_name", "dtype", "cpu"), registry=self.registry)
         self.model_name = model_name
 
     async def render(self, scheduler, adapt_stats: Callable[[], Awaitable[dict]] | None = None,
@@ -185,6 +189,8 @@ class HttpMetrics:
         """The registry's text after reading the scheduler's queues and, when a draft replica answers within
         `timeout_s`, its adapter version (a replica starting or gone: the target's metrics still count)."""
         from prometheus_client import generate_latest
+        dtype = str(scheduler.decoder.target.model.embed_tokens.weight.dtype).removeprefix("torch.")
+        self.engine_info.labels(model_name=self.model_name, dtype=dtype, cpu=cpu_description()).set(1)
         self.running.set(scheduler.num_running())
         self.waiting.set(scheduler.num_waiting())
         try:

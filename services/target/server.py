@@ -24,7 +24,7 @@ from evospec.engine.generate import SpeculativeDecoder
 from evospec.engine.scheduler import Failed, Finished, Scheduler, TokensOut
 from evospec.engine.stats import SpecStats
 from evospec.errors import InvalidRequestError
-from evospec.loading import apply_cpu_settings, load_model, load_static_ids, stop_token_ids
+from evospec.loading import apply_cpu_settings, cpu_description, load_model, load_static_ids, stop_token_ids
 from evospec.services.common.bearer import check_bearer
 from evospec.services.config import PublicApiConfig, TargetServiceConfig
 from evospec.services.target.draft_link import DraftReplicas
@@ -93,6 +93,8 @@ class ServerInfo:
     static_vocab_sha: str
     device: str
     max_prompt_bytes: int  # prompt text over this many bytes is refused before tokenization
+    target_dtype: str  # what the target computes in (dtype auto chooses per machine: evospec/loading.py)
+    cpu: str  # this replica's CPU model and ISA
 
 
 def api_tokens(public: PublicApiConfig) -> tuple[str, ...]:
@@ -174,7 +176,9 @@ class TargetServer:
                           default_method=self.default_spec.method, max_model_len=self.decoder.max_model_len,
                           static_vocab_size=0 if static_ids is None else int(static_ids.shape[0]),
                           static_vocab_sha=self.static_vocab_sha, device=str(self.decoder.target.device),
-                          max_prompt_bytes=self.max_prompt_bytes or 0)
+                          max_prompt_bytes=self.max_prompt_bytes or 0,
+                          target_dtype=str(self.decoder.target.model.embed_tokens.weight.dtype).removeprefix("torch."),
+                          cpu=cpu_description())
 
     def check_prompt_size(self, prompt: Prompt) -> None:
         """Refuse, without tokenizing, text that cannot fit the context (a prompt of many megabytes would hold a
