@@ -1,6 +1,6 @@
 """Forward seconds of the real target (Qwen2.5-Coder-1.5B) in bfloat16 and float32 on this CPU: 1 new token (decode)
 and 128 (a prefill chunk), after a 32-token context; 2 threads, median of 2."""
-import json, sys, time
+import json
 import torch
 torch.set_num_threads(2)
 from evospec.loading import cpu_description, load_qwen3_folder, named_pair_folders
