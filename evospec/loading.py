@@ -36,17 +36,25 @@ def resolve_device(device: str) -> torch.device:
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo is not readable)."""
+def cpu_info() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty where it is not readable)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
+        return {}
+    info: dict[str, str] = {}
     for line in text.splitlines():
+        if not line.strip():
+            break
         key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
+        info[key.strip()] = value.strip()
+    return info
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (x86 `flags`, arm64 `Features`)."""
+    info = cpu_info()
+    return frozenset((info.get("flags") or info.get("Features") or "").split())
 
 
 def cpu_has_native_bf16() -> bool:
@@ -62,14 +70,8 @@ def cpu_has_native_bf16() -> bool:
 @functools.cache
 def cpu_description() -> str:
     """The CPU model and what torch runs on it, for logs, Info and every benchmark result."""
-    model = ""
-    try:
-        model = next((line.partition(":")[2].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("model name")), "")
-    except OSError:
-        pass
     native = "native bf16" if cpu_has_native_bf16() else "no native bf16"
-    return f"{model or 'unknown CPU'} ({torch.backends.cpu.get_cpu_capability()}, {native})"
+    return f"{cpu_info().get('model name') or 'unknown CPU'} ({torch.backends.cpu.get_cpu_capability()}, {native})"
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from evospec.orchestration.local import service_to_drive
 from evospec_client.api.v1 import generate_pb2 as pb
+from evospec_client.enums import enum_string
 
 SEED_MAX = 2**64 - 1
 
@@ -266,8 +267,7 @@ def send(channel, case: Case, metadata, timeout_s: float, stream: bool) -> Outco
 
 def finish_reason(reply: pb.GenerateResponse) -> str:
     """"stop" | "length" | "" from the enum (the fuzz judges the enum, not its string form)."""
-    return pb.FinishReason.Name(reply.finish_reason).removeprefix("FINISH_REASON_").lower() \
-        if reply.finish_reason else ""
+    return enum_string(pb.FinishReason.DESCRIPTOR, reply.finish_reason) or ""
 
 
 def limits_of(info: dict) -> Limits:

@@ -24,6 +24,7 @@ from google.protobuf.json_format import MessageToDict
 
 from evospec_client.api.v1 import generate_pb2 as pb
 from evospec_client.api.v1 import generate_pb2_grpc as pb_grpc
+from evospec_client.enums import LEGACY_SUFFIX, enum_number, enum_string
 from evospec_client.errors import DeadlineExceeded, InvalidArgument, NotFound, Unavailable, from_rpc_error
 
 
@@ -49,7 +50,6 @@ class Completion:
 # Where each request option lives in evospec.v1, read from the messages themselves: a field added to the proto is an
 # option here with no change to this file. Spec options are flat (shape, depth, ... as on the server's other fronts).
 OPTION_MESSAGES = (("sampling", pb.SamplingParams), ("spec", pb.SpecParams), ("spec.tree", pb.TreeParams))
-LEGACY_SUFFIX = "_name"  # an enum's earlier string field (method_name): the SDK sets the enum
 
 
 def option_paths() -> dict[str, str]:
@@ -65,20 +65,6 @@ def option_paths() -> dict[str, str]:
 OPTIONS = option_paths()
 
 
-def _enum_prefix(enum_type) -> str:
-    """Enum values are named after their type: TreeShape -> TREE_SHAPE_CHAIN, whose string is "chain"."""
-    return "".join(f"_{c}" if c.isupper() and i else c for i, c in enumerate(enum_type.name)).upper() + "_"
-
-
-def _enum_number(field, value: str) -> int:
-    prefix = _enum_prefix(field.enum_type)
-    found = field.enum_type.values_by_name.get(prefix + str(value).upper())
-    if found is None or found.number == 0:
-        names = [v.name[len(prefix):].lower() for v in field.enum_type.values if v.number]
-        raise ValueError(f"must be one of {', '.join(names)}; got {value!r}")
-    return found.number
-
-
 def _set_option(request: pb.GenerateRequest, option: str, value) -> None:
     """Set one option on its message; a value the message cannot hold raises InvalidArgument naming the field."""
     path = OPTIONS[option]
@@ -88,7 +74,7 @@ def _set_option(request: pb.GenerateRequest, option: str, value) -> None:
     field = message.DESCRIPTOR.fields_by_name[option]
     try:
         if field.enum_type is not None:
-            setattr(message, option, _enum_number(field, value))
+            setattr(message, option, enum_number(field.enum_type, value))
         elif field.is_repeated:
             getattr(message, option).extend([value] if isinstance(value, str) else value)
         else:
@@ -138,10 +124,7 @@ def _enum_string(msg, name: str) -> str:
     """An enum field as the server's string ("evospec", "length"), from the enum or, from a server built before it,
     its string form `<name>_name`; "" when unset."""
     field = msg.DESCRIPTOR.fields_by_name[name]
-    value = field.enum_type.values_by_number.get(getattr(msg, name))
-    if value is not None and value.number:
-        return value.name[len(_enum_prefix(field.enum_type)):].lower()
-    return getattr(msg, name + LEGACY_SUFFIX, "")
+    return enum_string(field.enum_type, getattr(msg, name)) or getattr(msg, name + LEGACY_SUFFIX, "")
 
 
 def _stats(msg: pb.GenerateResponse) -> dict:

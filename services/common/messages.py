@@ -13,33 +13,14 @@ Conventions of the public proto that this module implements once:
 """
 from __future__ import annotations
 
-import re
-
-from google.protobuf.descriptor import EnumDescriptor, FieldDescriptor
+from google.protobuf.descriptor import FieldDescriptor
 
 from evospec.config import SPEC_OPTIONS, SamplingParams, SpecParams, spec_options, spec_with, validated
 from evospec.errors import InvalidRequestError
 from evospec_client.api.v1 import generate_pb2 as pb
+from evospec_client.enums import LEGACY_SUFFIX, enum_number, enum_string
 
-LEGACY_SUFFIX = "_name"  # the string field an enum replaced: method -> method_name
 NOT_TYPED = {"stop"}  # public SamplingParams fields outside the typed SamplingParams (text-level: TextStream)
-
-
-def enum_prefix(enum_type: EnumDescriptor) -> str:
-    """TreeShape -> TREE_SHAPE_"""
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", enum_type.name).upper() + "_"
-
-
-def enum_number(enum_type: EnumDescriptor, value: str) -> int:
-    return enum_type.values_by_name[enum_prefix(enum_type) + value.upper()].number
-
-
-def enum_string(enum_type: EnumDescriptor, number: int) -> str | None:
-    """The typed string of an enum number; None for UNSPECIFIED (0) or a number this build does not know."""
-    value = enum_type.values_by_number.get(number)
-    if number == 0 or value is None:
-        return None
-    return value.name[len(enum_prefix(enum_type)):].lower()
 
 
 def read_field(msg, name: str, path: str):
