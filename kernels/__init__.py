@@ -1,6 +1,7 @@
 """Tensor kernels of speculative decoding: a pure-torch reference for each, importable without Triton.
 
 - `tree`: attention mask and position ids of a draft token tree, from parent indices.
+- `linear`: x @ Wᵀ in the operand order this machine runs faster (measured per weight kind, not assumed).
 - `pruned_head`: LM head restricted to a subset of vocabulary rows, logits mapped back to full ids.
 - `kv`: KV-cache compaction (commit an accepted tree path without recomputation).
 """

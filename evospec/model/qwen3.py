@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from evospec.kernels.kv import compact_kv
+from evospec.kernels.linear import project
 from evospec.kernels.pruned_head import head_product
 from evospec.kernels.tree import chain_then_tree_mask
 
@@ -188,14 +189,14 @@ class Attention(nn.Module):
         each segment's K/V are written in place first. segments None: x is one sequence, attended causally."""
         t = x.shape[0]
         hd = self.cfg.head_dim
-        q = self.q_norm(self.q_proj(x).view(t, -1, hd)).transpose(0, 1)  # [heads, T, hd]
-        k = self.k_norm(self.k_proj(x).view(t, -1, hd)).transpose(0, 1)  # [kv_heads, T, hd]
-        v = self.v_proj(x).view(t, -1, hd).transpose(0, 1)
+        q = self.q_norm(project(self.q_proj, x).view(t, -1, hd)).transpose(0, 1)  # [heads, T, hd]
+        k = self.k_norm(project(self.k_proj, x).view(t, -1, hd)).transpose(0, 1)  # [kv_heads, T, hd]
+        v = project(self.v_proj, x).view(t, -1, hd).transpose(0, 1)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if segments is None:  # training forward: one causal sequence, no cache
             out = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=True,
                                                  enable_gqa=True)[0]  # [heads, T, hd]
-            return self.o_proj(out.transpose(0, 1).reshape(t, -1))
+            return project(self.o_proj, out.transpose(0, 1).reshape(t, -1))
         outputs, offset = [], 0
         for seg in segments:
             n, start = seg.num_tokens, seg.write_start
@@ -208,7 +209,7 @@ class Attention(nn.Module):
                 attn_mask=seg.mask, enable_gqa=True)[0])  # [heads, n, hd]
             offset += n
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)  # [heads, T, hd]
-        return self.o_proj(out.transpose(0, 1).reshape(t, -1))
+        return project(self.o_proj, out.transpose(0, 1).reshape(t, -1))
 
 
 class MLP(nn.Module):
@@ -219,7 +220,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return project(self.down_proj, F.silu(project(self.gate_proj, x)) * project(self.up_proj, x))
 
 
 class DecoderLayer(nn.Module):
