@@ -133,7 +133,7 @@ class SpeculativeDecoder:
                 verified = self.target.verify(target_session, tree)
                 gen.stats.draft_seconds += t1 - t0
                 gen.stats.verify_seconds += time.perf_counter() - t1
-                gen.stats.record_step(tree.size, len(verified.result.accepted_nodes))
+                gen.stats.record_step(tree.size, len(verified.result.accepted_nodes), tree.depth)
                 committed = verified.result.committed_tokens
                 tokens, gen.finish_reason = apply_stop_rules(committed, len(gen.output_ids), sampling, self.eos_ids)
                 gen.output_ids.extend(tokens)

@@ -456,7 +456,7 @@ class Scheduler:
             stats = request.stats
             stats.verify_seconds += seconds
             accepted = len(verified.result.accepted_nodes)
-            stats.record_step(tree.size, accepted)
+            stats.record_step(tree.size, accepted, tree.depth)
             if tree.size and self.budget is not None:
                 self.budget.record_tree(request.acceptance, request.kind, tree.depth, accepted)
             if request.spec.speculative and not (request.key in drafting and request.lease.held):

@@ -35,10 +35,12 @@ class SpecStats:
     buffer_hits_target: int = 0
     teacher_signal_bytes: int = 0  # online adaptation: the target's top-k payload sent to the draft
     predrafted_steps: int = 0  # trees the decoupled draft had ready before their step's context was known
+    drafted_levels: int = 0  # tree levels drafted, summed over steps (mean depth = drafted_levels / steps)
 
-    def record_step(self, drafted: int, accepted: int) -> None:
+    def record_step(self, drafted: int, accepted: int, levels: int = 0) -> None:
         self.steps += 1
         self.drafted += drafted
+        self.drafted_levels += levels
         self.accepted += accepted
         while len(self.accepted_per_pos) < accepted:
             self.accepted_per_pos.append(0)

@@ -130,7 +130,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., spec: _Optional[_Union[SpecParams, _Mapping]] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("steps", "drafted", "accepted", "accepted_per_pos", "tau", "alpha", "prompt_tokens", "generated_tokens", "draft_seconds", "verify_seconds", "misses", "miss_rate", "buffer_updates", "ttft_seconds", "e2e_seconds", "method_name", "draft_head_seconds", "verified_positions", "buffer_update_seconds", "fallback_steps", "fallback_reason", "draft_resumes", "buffer_hits_statistical", "buffer_hits_semantic", "buffer_hits_target", "teacher_signal_bytes", "predrafted_steps", "method")
+    __slots__ = ("steps", "drafted", "accepted", "accepted_per_pos", "tau", "alpha", "prompt_tokens", "generated_tokens", "draft_seconds", "verify_seconds", "misses", "miss_rate", "buffer_updates", "ttft_seconds", "e2e_seconds", "method_name", "draft_head_seconds", "verified_positions", "buffer_update_seconds", "fallback_steps", "fallback_reason", "draft_resumes", "buffer_hits_statistical", "buffer_hits_semantic", "buffer_hits_target", "teacher_signal_bytes", "predrafted_steps", "method", "drafted_levels")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,7 @@ class SpecStats(_message.Message):
     TEACHER_SIGNAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREDRAFTED_STEPS_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_LEVELS_FIELD_NUMBER: _ClassVar[int]
     steps: int
     drafted: int
     accepted: int
@@ -187,7 +188,8 @@ class SpecStats(_message.Message):
     teacher_signal_bytes: int
     predrafted_steps: int
     method: Method
-    def __init__(self, steps: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., tau: _Optional[float] = ..., alpha: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., misses: _Optional[int] = ..., miss_rate: _Optional[float] = ..., buffer_updates: _Optional[int] = ..., ttft_seconds: _Optional[float] = ..., e2e_seconds: _Optional[float] = ..., method_name: _Optional[str] = ..., draft_head_seconds: _Optional[float] = ..., verified_positions: _Optional[int] = ..., buffer_update_seconds: _Optional[float] = ..., fallback_steps: _Optional[int] = ..., fallback_reason: _Optional[str] = ..., draft_resumes: _Optional[int] = ..., buffer_hits_statistical: _Optional[int] = ..., buffer_hits_semantic: _Optional[int] = ..., buffer_hits_target: _Optional[int] = ..., teacher_signal_bytes: _Optional[int] = ..., predrafted_steps: _Optional[int] = ..., method: _Optional[_Union[Method, str]] = ...) -> None: ...
+    drafted_levels: int
+    def __init__(self, steps: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., tau: _Optional[float] = ..., alpha: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., misses: _Optional[int] = ..., miss_rate: _Optional[float] = ..., buffer_updates: _Optional[int] = ..., ttft_seconds: _Optional[float] = ..., e2e_seconds: _Optional[float] = ..., method_name: _Optional[str] = ..., draft_head_seconds: _Optional[float] = ..., verified_positions: _Optional[int] = ..., buffer_update_seconds: _Optional[float] = ..., fallback_steps: _Optional[int] = ..., fallback_reason: _Optional[str] = ..., draft_resumes: _Optional[int] = ..., buffer_hits_statistical: _Optional[int] = ..., buffer_hits_semantic: _Optional[int] = ..., buffer_hits_target: _Optional[int] = ..., teacher_signal_bytes: _Optional[int] = ..., predrafted_steps: _Optional[int] = ..., method: _Optional[_Union[Method, str]] = ..., drafted_levels: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason_name", "stats", "finish_reason")
