@@ -148,7 +148,11 @@ class SchedulerConfig(BaseModel):
     (a new draft session, prefilled with everything committed so far) after draft_retry_s, doubling up to
     draft_max_retry_s while it keeps failing. stall_timeout_s: one engine step running longer than this makes the
     replica unhealthy (a hung forward; Serve then replaces it): above the slowest legitimate step, a full
-    prefill chunk of a large target on a slow CPU."""
+    prefill chunk of a large target on a slow CPU. draft_prefill: when a speculative request's draft session prefills
+    its prompt. deferred: after the target's prefill, in chunks, while the request already decodes target-only, so
+    speculation never delays the first token (its first steps have no tree). with_target: in the same engine steps
+    as the target's prefill, before the first token (the per-request loop's order; tests compare seeded samples with
+    it)."""
     model_config = ConfigDict(frozen=True, extra="forbid")
     kv_tokens: int = Field(32768, ge=16)
     draft_kv_tokens: int | None = Field(None, ge=16)
@@ -159,6 +163,7 @@ class SchedulerConfig(BaseModel):
     draft_retry_s: float = Field(1.0, gt=0)
     draft_max_retry_s: float = Field(16.0, gt=0)
     stall_timeout_s: float = Field(180.0, gt=0)
+    draft_prefill: Literal["deferred", "with_target"] = "deferred"
 
 
 AdaptMode = Literal["off", "lora", "full"]

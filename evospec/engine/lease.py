@@ -44,9 +44,10 @@ class DraftLease:
         """A new draft session may be tried now: none is held, the last error may be retried and its backoff passed."""
         return not self.held and self.retryable and now >= self.retry_at
 
-    def opened(self) -> None:
-        """A draft session over the prompt was opened at admission (it prefills with the target)."""
-        self.held = True
+    def opened(self, catch_up: int = 0) -> None:
+        """A draft session over the prompt was opened at admission. catch_up: prompt tokens it prefills after the
+        target's prefill, before it drafts (scheduler.draft_prefill deferred); 0 = it prefills with the target."""
+        self.held, self.lag = True, catch_up
 
     def resumed(self, context_tokens: int) -> None:
         """A new draft session over `context_tokens` committed tokens: it prefills all but the pending last one

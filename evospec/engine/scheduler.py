@@ -293,10 +293,9 @@ class Scheduler:
             decoding = [r for r in self._running.values() if r.target.prefill_remaining == 0]
             drafting = [r for r in decoding if r.lease.drafting]  # before _draft: a catch-up may end, a failure drop
             k = self._choose_depth(drafting, sum(prefills.values()))
-            draft_prefill = any(self._running[key].lease.held for key in prefills) or any(r.lease.lag for r in decoding)
         start = time.perf_counter()
         with profile.span("draft"):
-            trees = self._draft(decoding, prefills, k)
+            trees, draft_prefill = self._draft(decoding, prefills, k)
         draft_seconds = time.perf_counter() - start
         tokens, target_seconds, feedback_seconds, committed = self._verify(decoding, prefills, trees,
                                                                            {r.key for r in drafting})
@@ -346,7 +345,8 @@ class Scheduler:
                 except Exception as exc:  # noqa: BLE001 - no draft: the request runs target-only (lossless)
                     request.lease.failed(exc)
                 else:
-                    request.lease.opened()
+                    deferred = self.config.draft_prefill == "deferred"
+                    request.lease.opened(len(request.prompt_ids) - 1 if deferred else 0)
             request.target = self.decoder.target.open(request.prompt_ids, request.sampling, cache, request.seed)
             self._pop_waiting()
             self._running[request.key] = request
@@ -401,14 +401,17 @@ class Scheduler:
             return max(r.spec.tree.levels for r in speculative)
         return self.budget.choose([(r.spec.tree, r.acceptance, r.kind) for r in speculative], prefill_tokens)
 
-    def _draft(self, decoding: list[_Request], prefills: dict[str, int], k: int) -> dict[str, DraftTree]:
+    def _draft(self, decoding: list[_Request], prefills: dict[str, int], k: int) -> tuple[dict[str, DraftTree], bool]:
+        """This step's trees (depth k) and whether a draft session prefilled: with the target's prompt chunks
+        (draft_prefill with_target), or catching up once the target's prefill is done (deferred, and resumed
+        sessions)."""
         requests = {r.key: clip_depth(r.spec.tree, k) for r in decoding if r.lease.drafting and k > 0}
-        draft_prefills = {key: n for key, n in prefills.items() if self._running[key].lease.held}
-        catch_up = plan_catch_up([(r.key, r.lease) for r in decoding],
+        draft_prefills = {key: n for key, n in prefills.items() if self._running[key].lease.drafting}
+        catch_up = plan_catch_up([(r.key, r.lease) for r in decoding if r.output_ids],  # after the first token
                                  self.config.prefill_chunk - sum(draft_prefills.values()))
         draft_prefills.update(catch_up)
         if not requests and not draft_prefills:
-            return {}
+            return {}, False
         start = time.perf_counter()
         try:
             proposed = self.drafter.propose(requests, draft_prefills)
@@ -428,7 +431,7 @@ class Scheduler:
             request = self._running.get(key)
             if request is not None:
                 request.lease.caught_up(n)
-        return trees
+        return trees, True
 
     def _verify(self, decoding: list[_Request], prefills: dict[str, int], trees: dict[str, DraftTree],
                 drafting: set[str]) -> tuple[int, float, float, int]:
@@ -459,8 +462,9 @@ class Scheduler:
             stats.record_step(tree.size, accepted, tree.depth)
             if tree.size and self.budget is not None:
                 self.budget.record_tree(request.acceptance, request.kind, tree.depth, accepted)
-            if request.spec.speculative and not (request.key in drafting and request.lease.held):
-                stats.fallback_steps += 1  # no tree because the draft failed or was catching up (not depth 0)
+            if request.spec.speculative and stats.fallback_reason and not (request.key in drafting and
+                                                                            request.lease.held):
+                stats.fallback_steps += 1  # no tree: the draft failed, or its replacement was catching up
             tokens, finish = apply_stop_rules(verified.result.committed_tokens, len(request.output_ids),
                                               request.sampling, self.decoder.eos_ids)
             request.output_ids.extend(tokens)

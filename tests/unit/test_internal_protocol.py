@@ -75,7 +75,8 @@ def generate_over_the_stream(decoder: SpeculativeDecoder, pool: DraftReplicas, p
     """One generation through the scheduler (adaptive off: every step drafts the request's full tree, as the
     per-request loop does) with its drafts from the draft server over SpeculateBatch -> (tokens, last event)."""
     drafter = RemoteMuxDrafter(pool, decoder.policies.layout, VOCAB, sha)
-    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, adaptive=False), drafter)
+    exact = SchedulerConfig(kv_tokens=4096, adaptive=False, draft_prefill="with_target")  # the loop's order
+    scheduler = Scheduler(decoder, exact, drafter)
     events = []
     scheduler.submit(prompt, sampling, spec, events.append)
     scheduler.run_until_idle()
@@ -138,8 +139,8 @@ def mux_drafter(decoder: SpeculativeDecoder, pool: DraftReplicas) -> RemoteMuxDr
 def make_server(decoder: SpeculativeDecoder, pool: DraftReplicas, budget=None) -> TargetServer:
     async def nothing() -> int:
         return 0
-    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, adaptive=False), mux_drafter(decoder, pool),
-                          budget=budget).start()
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, adaptive=False, draft_prefill="with_target"),
+                          mux_drafter(decoder, pool), budget=budget).start()
     return TargetServer(decoder, load_tokenizer(), DraftSide(pool, model_name=nothing, num_sessions=nothing), scheduler)
 
 
@@ -222,7 +223,9 @@ def test_draft_stream_failures_fall_back_to_target_only(setup):
 
 
 def make_scheduler(decoder: SpeculativeDecoder, pool: DraftReplicas, **config) -> Scheduler:
-    config = {"kv_tokens": 16384, "adaptive": False, "draft_retry_s": 0.05, "draft_max_retry_s": 0.5, **config}
+    # with_target: the per-request loop's order, so counted statistics and seeded samples compare exactly
+    config = {"kv_tokens": 16384, "adaptive": False, "draft_retry_s": 0.05, "draft_max_retry_s": 0.5,
+              "draft_prefill": "with_target", **config}
     return Scheduler(decoder, SchedulerConfig(**config), mux_drafter(decoder, pool)).start()
 
 

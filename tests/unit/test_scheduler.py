@@ -143,7 +143,8 @@ def test_mixed_batch_greedy_identical_to_per_request_loop(decoder, adaptive):
 def test_mixed_batch_seeded_sampling_identical_to_per_request_loop(decoder):
     """With the draft depth fixed, each request draws the same random numbers in the same order as alone."""
     requests = mixed_requests(lambda i: [0.0, 0.7, 1.0][i % 3])
-    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, prefill_chunk=8, adaptive=False))
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, prefill_chunk=8, adaptive=False,
+                                                   draft_prefill="with_target"))
     sinks = run_all(scheduler, requests)
     for (prompt, sampling, spec), sink in zip(requests, sinks):
         assert sink.tokens == oracle(decoder, prompt, sampling, spec).output_ids
@@ -167,7 +168,8 @@ def test_varying_draft_depth_keeps_the_target_distribution():
     target, draft = random_pair(vocab=vocab, seed=7, eos=0, noise=0.5)
     dec = SpeculativeDecoder(target, draft)
     sampling = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
-    scheduler = Scheduler(dec, SchedulerConfig(kv_tokens=4096), budget=RandomDepth(0))
+    scheduler = Scheduler(dec, SchedulerConfig(kv_tokens=4096, draft_prefill="with_target"),  # drafts from token 1
+                          budget=RandomDepth(0))
     spec = SpecParams(method="sd", tree=TreeParams(shape="tree", depth=3, branching=2, budget=6))
     n, counts, accepted = 3000, np.zeros(vocab * vocab), 0
     for sink in seeded_runs(scheduler, prompt, sampling, spec, n, batch=100):
@@ -194,6 +196,41 @@ def test_long_prompt_prefills_in_chunks_while_others_decode(decoder):
     scheduler.run_until_idle()
     assert long_.tokens == oracle(decoder, list(range(2, 90)), SamplingParams(max_tokens=4, ignore_eos=True),
                                   SpecParams(method="sd")).output_ids
+
+
+class RecordingDrafter:
+    """Wraps the in-process batch drafter and logs each propose as (trees asked, draft prompt tokens prefilled)."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, requests, prefills):
+        self.calls.append((len(requests), sum(prefills.values())))
+        return self.inner.propose(requests, prefills)
+
+
+def test_deferred_draft_prefill_never_delays_the_first_token(decoder):
+    """draft_prefill deferred (the default): the target's prefill runs alone; the draft catches up on the prompt in
+    chunks after the first token, while the request decodes target-only; then it drafts. Greedy output is the
+    target's, and those first steps are not fallback steps (nothing failed)."""
+    prompt, sampling = list(range(2, 40)), SamplingParams(max_tokens=24, ignore_eos=True)
+    spec = SpecParams(method="frspec", tree=TreeParams(shape="chain", num_draft_tokens=3), vocab={"static_size": 64})
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, prefill_chunk=8, adaptive=False))
+    scheduler.drafter = RecordingDrafter(scheduler.drafter)
+    sink = Collector()
+    scheduler.submit(prompt, sampling, spec, sink)
+    while not sink.tokens:
+        scheduler.step()
+    assert scheduler.drafter.calls == []  # 5 target prefill steps, no draft work before the first token
+    scheduler.run_until_idle()
+    catch_up = [tokens for trees, tokens in scheduler.drafter.calls if tokens]
+    assert sum(catch_up) == len(prompt) - 1 and max(catch_up) <= 8  # in chunks of prefill_chunk
+    assert sink.tokens == oracle(decoder, prompt, sampling, spec).output_ids
+    stats = sink.finished.stats
+    assert stats.drafted > 0 and stats.fallback_steps == 0 and stats.fallback_reason == ""
 
 
 def test_admission_waits_for_kv_and_refuses_what_never_fits(decoder):
@@ -461,7 +498,7 @@ def test_resumed_speculation_keeps_the_target_distribution():
     dec = SpeculativeDecoder(target, draft)
     sampling = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
     scheduler = Scheduler(dec, SchedulerConfig(kv_tokens=8192, adaptive=False, draft_retry_s=1e-6,
-                                               draft_max_retry_s=1e-6))
+                                               draft_max_retry_s=1e-6, draft_prefill="with_target"))  # drafts at once
     flaky = scheduler.drafter = FlakyDrafter(scheduler.drafter, p=0.35, seed=2, down=0, scheduler=scheduler)
     spec = SpecParams(method="sd", tree=TreeParams(shape="tree", depth=2, branching=2, budget=4))
     n, counts = 3000, np.zeros(vocab * vocab)
