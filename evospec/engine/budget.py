@@ -168,6 +168,31 @@ class Acceptance:
         return total
 
 
+@dataclass
+class GoodputMeter:
+    """Committed tokens per second over recent steps of one kind (drafting or plain): tokens and seconds each
+    averaged with forgetting, divided when read."""
+    min_steps = 3  # steps before the safety net trusts it
+    noise_margin = 0.05  # drafting must measure this much below plain before it is vetoed
+    decay: float = 0.8
+    tokens: float = 0.0
+    seconds: float = 0.0
+    steps: int = 0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens = self.decay * self.tokens + tokens
+        self.seconds = self.decay * self.seconds + seconds
+        self.steps += 1
+
+    @property
+    def settled(self) -> bool:
+        return self.steps >= self.min_steps
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
 def draft_kind(spec: SpecParams) -> tuple:
     """What makes drafting cost and accept differently: the method and its vocabulary sizes (a full head: every
     row, whatever the sizes say)."""
@@ -192,7 +217,7 @@ class SpeculationBudget:
         self.explore_every = explore_every  # after this many steps without a draft, draft once to re-measure
         self._steps_without_draft = 0
         self._explore_interval = explore_every
-        self._goodput: dict[tuple, float] = {}  # (kinds, batch-size bucket, drafted) -> measured tokens/s
+        self._goodput: dict[tuple, GoodputMeter] = {}  # (kinds, batch-size bucket, drafted) -> tokens/s
 
     @classmethod
     def measured(cls, target: Qwen3, draft: Qwen3 | None) -> "SpeculationBudget":
@@ -256,18 +281,22 @@ class SpeculationBudget:
             self.draft_cost(kind).update(draft_features(depth, sessions, rows), share * (draft_seconds + excess))
 
     def record_goodput(self, kinds: frozenset, sessions: int, drafted: bool, committed: int, seconds: float) -> None:
-        """A whole step's outcome: `committed` tokens over `sessions` speculative sessions of `kinds` in `seconds`."""
+        """A whole step's outcome: `committed` tokens over `sessions` speculative sessions of `kinds` in `seconds`.
+        Tokens and seconds are averaged apart (with forgetting) and divided when read: a step whose tree was all
+        rejected weighs what it cost, not one rate among equals."""
         if sessions and seconds > 0:
             key = (kinds, sessions.bit_length(), drafted)
-            rate = committed / seconds
-            old = self._goodput.get(key)
-            self._goodput[key] = rate if old is None else 0.8 * old + 0.2 * rate
+            self._goodput.setdefault(key, GoodputMeter()).add(committed, seconds)
 
     def _measured_worse(self, kinds: frozenset, sessions: int) -> bool:
-        """The safety net: for this mix and batch size, drafting steps have measured less goodput than plain ones."""
+        """The safety net: for this mix and batch size, drafting steps have measured less goodput than plain ones,
+        by more than the noise margin, over at least `GoodputMeter.min_steps` steps of each (one slow step on a
+        shared machine must not stop speculation)."""
         plain = self._goodput.get((kinds, sessions.bit_length(), False))
         drafted = self._goodput.get((kinds, sessions.bit_length(), True))
-        return plain is not None and drafted is not None and drafted < plain
+        if plain is None or drafted is None or not (plain.settled and drafted.settled):
+            return False
+        return drafted.rate < (1 - GoodputMeter.noise_margin) * plain.rate
 
     def priors(self, kind: tuple, depth: int) -> list[float]:
         """Per-level acceptance of a request that has not drafted that deep yet: its kind's, so far."""
