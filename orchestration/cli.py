@@ -193,7 +193,8 @@ def cmd_serve(args) -> int:
     if args.http_port or not cfg.http_port:  # 0 = any free port: choose it here to print it
         cfg = cfg.model_copy(update={"http_port": args.http_port or free_port()})
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    for signum in (signal.SIGTERM, signal.SIGINT):  # SIGINT too: a shell starts background jobs with it ignored
+        signal.signal(signum, lambda *_: stop.set())
     with local_service(cfg) as address:
         print(f"EvoSpec Serve listening on {address} (gRPC, service evospec.v1.Generate) and "
               f"http://127.0.0.1:{cfg.http_port}/v1 (OpenAI-compatible; /metrics). Ctrl-C to stop.", flush=True)
@@ -271,7 +272,8 @@ def cmd_vocab(args) -> int:
     return 0
 
 
-BENCH_SUITES = ("v1", "grid", "misses", "adapt", "random", "decoupled", "real", "concurrency", "fronts")
+BENCH_SUITES = ("v1", "grid", "misses", "adapt", "random", "decoupled", "real", "concurrency", "fronts",
+                "service")
 PASSTHROUGH = {"loadtest": "evospec.loadtest.run", "loadtest-sweep": "evospec.loadtest.sweep",
                "loadtest-compare": "evospec.loadtest.compare",
                "train-tiny": "evospec.tiny_pair.train", "chaos": "evospec.orchestration.chaos",
@@ -353,7 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
                                          "misses (how much of the text outside S the buffer recovers), "
                                          "adapt (online adaptation over a medical stream), "
                                          "random, decoupled, real (the fetched real pair), concurrency (batching "
-                                         "under load); "
+                                         "under load), fronts (HTTP vs gRPC), service (what a user gets: the shipped "
+                                         "YAML through the public API, realistic prompts, concurrency, vs plain "
+                                         "decoding and a fixed-depth oracle); "
                                          "`evospec bench SUITE --help`")
     bench.add_argument("suite", choices=BENCH_SUITES)
     sub.add_parser("loadtest", help="async load generator against a running service (vllm bench serve style)")
