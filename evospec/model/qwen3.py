@@ -382,9 +382,11 @@ def quantize_int8(model: Qwen3) -> Qwen3:
 @torch.inference_mode()
 def forward_seconds(model: Qwen3, sizes=(1, 2), context: int = 32, repeats: int = 3,
                     with_head: bool = False) -> dict[int, float]:
-    """Median seconds of one forward of n new tokens after a `context`-token prefix, per n in `sizes` (the kernel's
-    own cost: single-token padding is off while measuring; `with_head` adds the full LM head)."""
-    import statistics
+    """Seconds of one forward of n new tokens after a `context`-token prefix, per n in `sizes` (the kernel's own
+    cost: single-token padding is off while measuring; `with_head` adds the full LM head). One untimed round first
+    (first calls of a shape choose and warm kernels up), then `repeats` rounds over all sizes, interleaved, and the
+    fastest of each: another process busy on the same cores only ever slows a forward down, and interleaving keeps
+    a busy spell from skewing one size against another (the budget compares sizes)."""
     import time
 
     padding, model.pad_single_token = model.pad_single_token, False
@@ -393,17 +395,16 @@ def forward_seconds(model: Qwen3, sizes=(1, 2), context: int = 32, repeats: int 
         cache = model.new_cache(context + max(sizes))
         model(torch.arange(context) % vocab, torch.arange(context), cache, chain_then_tree_mask(0, context, None))
         cache.advance(context)
-        cost = {}
-        for n in sizes:
-            times = []
-            for _ in range(repeats):
+        cost = {n: float("inf") for n in sizes}
+        for round_ in range(repeats + 1):
+            for n in sizes:
                 t0 = time.perf_counter()
                 hidden = model(torch.arange(n) % vocab, torch.arange(context, context + n), cache,
                                chain_then_tree_mask(context, n, None))
                 if with_head:
                     model.full_logits(hidden)
-                times.append(time.perf_counter() - t0)
-            cost[n] = statistics.median(times)
+                if round_:
+                    cost[n] = min(cost[n], time.perf_counter() - t0)
         return cost
     finally:
         model.pad_single_token = padding
@@ -415,7 +416,6 @@ def calibrate_single_token_padding(model: Qwen3) -> bool:
     model.pad_single_token = False
     if model.embed_tokens.weight.device.type != "cpu":
         return False
-    forward_seconds(model)  # warm-up round
     cost = forward_seconds(model)
     model.pad_single_token = cost[2] < 0.9 * cost[1]
     return model.pad_single_token

@@ -62,6 +62,7 @@ class _Session:
     update_seconds: float = 0.0
     pending_changes: list[SlotChange] = field(default_factory=list)  # applied while pre-drafting; in the next reply
     failure: Exception | None = None  # a deferred buffer update that failed while pre-drafting: ends the session
+    drafted: bool = False  # a tree went out since the last outcome (an outcome without one only appends tokens)
 
 
 class DraftServer:
@@ -218,6 +219,7 @@ class DraftServer:
         for sid, entry in out.items():
             session = self._sessions.get(sid)
             if session is not None:
+                session.drafted = session.drafted or entry.tree is not None
                 entry.changes[:0], session.pending_changes = session.pending_changes, []  # applied before these
                 entry.head_seconds, entry.buffer_update_seconds = session.draft.head_seconds, session.update_seconds
         return out
@@ -318,6 +320,13 @@ class DraftServer:
         start = time.perf_counter()
         self._check_outcome(session.draft, result, candidates)
         teacher = self._usable_teacher(teacher)
+        if not session.drafted:
+            # A step the target ran without this session's tree (the budget chose depth 0, or the draft was catching
+            # up): append its tokens, at a plain step's cost, as the in-process drafter does; the buffer does not see
+            # that step, so a request that is not drafted for costs the draft (and a shared CPU) almost nothing.
+            self.engine.commit(session.draft, result)
+            return []
+        session.drafted = False
         changes = self.engine.advance(session.draft, result, TargetFeedback(0, 0, candidates), teacher)
         session.update_seconds += time.perf_counter() - start
         return changes

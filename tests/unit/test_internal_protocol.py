@@ -636,3 +636,26 @@ def test_a_failing_predraft_is_turned_off_and_never_fails_the_stream():
     assert tokens == expected.output_ids
     assert finished.stats["fallback_steps"] == 0 and finished.stats["predrafted_steps"] == 0
     assert calls == [1]  # tried once, then off for that session
+
+
+def test_an_outcome_of_a_step_without_a_tree_only_appends_its_tokens(monkeypatch):
+    """Depth 0 (or catching up): the draft appends the step's tokens and leaves its vocabulary buffer alone, as the
+    in-process drafter does; after a tree, the outcome goes through the full update."""
+    from evospec.engine.drafter import DraftRequest
+    from evospec.services.draft.server import Op
+    from evospec.verify import VerifyResult
+    _, draft = random_pair(vocab=VOCAB, seed=9, eos=1)
+    server = DraftServer(DraftEngine(draft), VocabPolicies(draft.head_weight, STATIC))
+    advanced = []
+    real_advance = server.engine.advance
+    monkeypatch.setattr(server.engine, "advance", lambda *a, **k: advanced.append(1) or real_advance(*a, **k))
+    request = DraftRequest([4, 5, 6], SamplingParams(), spec_for("evospec"), 64, 0)
+    server.run_step([Op("a", "start", request)], {})
+    steps = server.run_step([Op("a", "outcome", result=VerifyResult([], [], 7), candidates={7: 1.0})], {})
+    assert steps["a"].error is None and steps["a"].changes == [] and advanced == []
+    assert server._sessions["a"].draft.tokens == [4, 5, 6, 7]
+    steps = server.run_step([], {"a": (2, 0)})  # a tree ...
+    assert steps["a"].tree is not None
+    server.run_step([Op("a", "outcome", result=VerifyResult([], [], 8), candidates={})], {})  # ... then its outcome
+    assert advanced == [1] and server._sessions["a"].draft.tokens == [4, 5, 6, 7, 8]
+    server.shutdown()
