@@ -163,7 +163,7 @@ def cmd_demo(args) -> int:
         return cmd_demo_in_process(args, pair)
     from evospec.orchestration.config import AppConfig, config_for_pair
     from evospec.orchestration.local import free_port, local_service
-    from evospec.orchestration.report import print_stats
+    from evospec.orchestration.report import print_comparison, print_stats
     from evospec_client import EvoSpecClient
     cfg = AppConfig.from_yaml(args.config or config_for_pair(pair))
     cfg = cfg.model_copy(update={"grpc_port": free_port(), "http_port": free_port()})
@@ -173,10 +173,15 @@ def cmd_demo(args) -> int:
         info = client.wait_ready()
         print(f"service up on {address} (gRPC) and http://127.0.0.1:{cfg.http_port}/v1 (OpenAI-compatible): "
               f"target={info.get('target_model')} draft={info.get('draft_model')}\n")
-        print(f"[{args.method or info.get('default_method')}] {args.prompt}\n")
+        method = args.method or info.get("default_method")
+        print(f"[{method}] {args.prompt}\n")
         stats = print_stream(client.stream(**client_request_kwargs(args)))
         stats["tokens_per_second"] = stats.get("generated_tokens", 0) / max(stats.get("e2e_seconds", 1e-9), 1e-9)
         print_stats(stats, title="speculative decoding (decoupled, via Ray Serve + gRPC)")
+        if args.compare and method != "ar":
+            print("\nthe same prompt with plain decoding (ar), for comparison...", flush=True)
+            plain = print_stream(client.stream(**{**client_request_kwargs(args), "method": "ar"}), show_text=False)
+            print_comparison({"ar": plain, method: stats})
     print("service shut down.")
     return 0
 
@@ -299,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_request_args(demo)
     demo.add_argument("--in-process", action="store_true", help="no Ray Serve: run draft and target in this process")
     demo.add_argument("--config", help="service YAML (default: the pair's orchestration/configs/cpu-<pair>.yaml)")
+    demo.add_argument("--no-compare", dest="compare", action="store_false",
+                      help="skip running the same prompt with plain decoding (ar) for the side-by-side table")
     demo.set_defaults(func=cmd_demo)
 
     serve_p = sub.add_parser("serve", help="run the decoupled service on a local Ray cluster until Ctrl-C")

@@ -29,3 +29,32 @@ def stats_table(stats: dict, title: str = "speculative decoding") -> Table:
 
 def print_stats(stats: dict, title: str = "speculative decoding") -> None:
     Console().print(stats_table(stats, title))
+
+
+def decode_tokens_per_second(stats: dict) -> float:
+    """Tokens after the first over the time after the first (what a reader of the stream sees once it started)."""
+    tokens, decode_s = stats.get("generated_tokens", 0), stats.get("e2e_seconds", 0) - stats.get("ttft_seconds", 0)
+    return (tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else 0.0
+
+
+def comparison_table(runs: dict[str, dict]) -> Table:
+    """The same prompt through the same service, one row per method: TTFT, tok/s end to end and after the first
+    token, τ, and the ratio of end-to-end tok/s to the first row's (plain decoding)."""
+    table = Table(title="the same prompt, the same service", show_header=True)
+    for column in ("method", "TTFT s", "tok/s (end to end)", "tok/s (after 1st token)", "τ", "mean depth",
+                   "× first row"):
+        table.add_column(column, justify="left" if column == "method" else "right")
+    base = None
+    for method, stats in runs.items():
+        e2e = stats.get("generated_tokens", 0) / max(stats.get("e2e_seconds", 0), 1e-9)
+        base = e2e if base is None else base
+        steps = stats.get("steps", 0)
+        depth = stats.get("drafted_levels", 0) / steps if steps else 0.0
+        table.add_row(method, f"{stats.get('ttft_seconds', 0):.2f}", f"{e2e:.2f}",
+                      f"{decode_tokens_per_second(stats):.2f}", f"{stats.get('tau', 0):.2f}", f"{depth:.2f}",
+                      f"{e2e / base:.2f}" if base else "-")
+    return table
+
+
+def print_comparison(runs: dict[str, dict]) -> None:
+    Console().print(comparison_table(runs))
