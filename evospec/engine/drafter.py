@@ -72,6 +72,10 @@ class BatchDrafter(Protocol):
     def propose(self, requests: dict[str, TreeParams], prefills: dict[str, int]) -> dict[str, DraftTree | Exception]:
         """Trees for `requests` (each clipped to the given shape); `prefills` = context tokens to cache meanwhile."""
 
+    def prefill(self, prefills: dict[str, int]) -> dict[str, Exception]:
+        """Context tokens to cache, in a step that wants no tree: a remote draft works on them while the target
+        runs its step (only failures come back, now or with a later exchange)."""
+
     def observe(self, steps: dict[str, tuple[VerifiedStep, SpecStats]]) -> None: ...
 
     def flush(self) -> None:
@@ -157,6 +161,11 @@ class LocalBatchDrafter:
                                          [(self.sessions[k], n) for k, n in prefills.items()])
         self._drafted = set(requests)
         return dict(zip(requests, trees))
+
+    def prefill(self, prefills: dict[str, int]) -> dict[str, Exception]:
+        """In this process there is nothing to overlap with: the chunks are cached now."""
+        self.propose({}, prefills)
+        return {}
 
     def observe(self, steps: dict[str, tuple[VerifiedStep, SpecStats]]) -> None:
         """Sessions that drafted this step get the full feedback. One the scheduler ran without a draft (depth 0)

@@ -414,7 +414,10 @@ class Scheduler:
             return {}, False
         start = time.perf_counter()
         try:
-            proposed = self.drafter.propose(requests, draft_prefills)
+            if requests:
+                proposed = self.drafter.propose(requests, draft_prefills)
+            else:  # catch-up alone: a remote draft prefills while the target runs this step
+                proposed = self.drafter.prefill(draft_prefills)
         except Exception as exc:  # noqa: BLE001 - a draft failure drops the draft of its sessions, nothing more
             proposed = {key: exc for key in [*requests, *draft_prefills]}
         seconds = time.perf_counter() - start

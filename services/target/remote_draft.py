@@ -130,6 +130,7 @@ class _Link:
         self.sessions: set[str] = set()
         self.ops: list[spec_pb.SessionOp] = []
         self.teacher_top_k = 0  # > 0 once the replica said it adapts online (DraftStep.teacher_top_k)
+        self.owed_prefill = 0  # prompt tokens sent with `prefill` whose reply has not been read yet
 
     def take_ops(self) -> list[spec_pb.SessionOp]:
         ops, self.ops = self.ops, []
@@ -183,6 +184,25 @@ class RemoteMuxDrafter:
         link.sessions.add(key)
         link.ops.append(session_op_to_proto(key, "start", request))
 
+    def prefill(self, prefills: dict[str, int]) -> dict[str, Exception]:
+        """Catch-up work alone (no tree this step): sent now, not waited for. The replica prefills while the target
+        runs its step, and the reply is read with the next exchange (the stream keeps the order, so a tree asked
+        for later is drafted over the prefilled context)."""
+        out: dict[str, Exception] = {}
+        work: dict[_Link, list[spec_pb.DraftWork]] = {}
+        for key, n in prefills.items():
+            if key not in self._home:
+                out[key] = DraftStreamError("draft: session lost with its replica", "UNAVAILABLE")
+                continue
+            work.setdefault(self._home[key], []).append(spec_pb.DraftWork(session_id=key, prefill_tokens=n))
+        with self.profile.span("draft.encode"):
+            for link, items in work.items():
+                link.stream.send(spec_pb.TargetStep(ops=link.take_ops(), work=items))
+                link.owed_prefill += sum(w.prefill_tokens for w in items)
+        out.update(self._errors)
+        self._errors = {}
+        return out
+
     def propose(self, requests: dict[str, TreeParams], prefills: dict[str, int]) -> dict[str, DraftTree | Exception]:
         self._drafted = set(requests)
         out: dict[str, DraftTree | Exception] = {}
@@ -206,14 +226,16 @@ class RemoteMuxDrafter:
                 link.stream.send(spec_pb.TargetStep(ops=link.take_ops(), work=work.get(link, [])))
         for link in sent:
             timing = link.replica.timing
+            owed, link.owed_prefill = link.owed_prefill, 0  # catch-up sent earlier, maybe still running
             try:
-                reply = self._read_owed(link, start + timing.deadline_s(prefill_tokens[link]))
+                reply = self._read_owed(link, start + timing.deadline_s(prefill_tokens[link] + owed))
             except DraftStreamError as exc:
                 if exc.code_name == "DEADLINE_EXCEEDED":  # slow or frozen: next time (after a health probe) it
                     timing.late(time.monotonic() - start)  # gets at least this long again, plus the slack
                 self._fail_link(link, exc)
                 continue
-            timing.record(link.stream.last_arrival - start, prefill_tokens[link])  # its own time, not the wait
+            if not owed:  # its own time, not the wait for work sent before
+                timing.record(link.stream.last_arrival - start, prefill_tokens[link])
             if link.replica.failures:                                            # for replicas read before it
                 self.replicas.mark_ok(link.replica)
             with self.profile.span("draft.decode"):

@@ -659,3 +659,22 @@ def test_an_outcome_of_a_step_without_a_tree_only_appends_its_tokens(monkeypatch
     server.run_step([Op("a", "outcome", result=VerifyResult([], [], 8), candidates={})], {})  # ... then its outcome
     assert advanced == [1] and server._sessions["a"].draft.tokens == [4, 5, 6, 7, 8]
     server.shutdown()
+
+
+def test_deferred_catch_up_over_the_stream_overlaps_the_target_and_stays_lossless(setup):
+    """draft_prefill deferred (the default) over the stream: the draft prefills the prompt in chunks sent without
+    waiting (`RemoteMuxDrafter.prefill`) after the first token, then drafts; greedy output equals ar's."""
+    local, remote_only, pool, _, _ = setup
+    scheduler = make_scheduler(remote_only, pool, draft_prefill="deferred", prefill_chunk=8)
+    sends = []
+    real_prefill = scheduler.drafter.prefill
+    scheduler.drafter.prefill = lambda prefills: sends.append(dict(prefills)) or real_prefill(prefills)
+    prompt, sink = [(5 * j) % (VOCAB - 2) + 2 for j in range(30)], TimedSink()
+    try:
+        handle = scheduler.submit(prompt, SamplingParams(max_tokens=24, ignore_eos=True), spec_for("evospec"), sink)
+        assert wait_for(lambda: sink.end is not None, 30)
+    finally:
+        scheduler.stop()
+    assert isinstance(sink.end, Finished) and sink.tokens == ar_tokens(local, prompt, 24)
+    assert sum(n for sent in sends for n in sent.values()) == len(prompt) - 1 and len(sends) == 4
+    assert handle.stats.drafted > 0 and handle.stats.fallback_steps == 0

@@ -211,6 +211,10 @@ class RecordingDrafter:
         self.calls.append((len(requests), sum(prefills.values())))
         return self.inner.propose(requests, prefills)
 
+    def prefill(self, prefills):
+        self.calls.append((0, sum(prefills.values())))
+        return self.inner.prefill(prefills)
+
 
 def test_deferred_draft_prefill_never_delays_the_first_token(decoder):
     """draft_prefill deferred (the default): the target's prefill runs alone; the draft catches up on the prompt in
