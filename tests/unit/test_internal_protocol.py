@@ -666,6 +666,7 @@ def test_deferred_catch_up_over_the_stream_overlaps_the_target_and_stays_lossles
     waiting (`RemoteMuxDrafter.prefill`) after the first token, then drafts; greedy output equals ar's."""
     local, remote_only, pool, _, _ = setup
     scheduler = make_scheduler(remote_only, pool, draft_prefill="deferred", prefill_chunk=8)
+    scheduler.drafter.overlap_prefill = True  # what a GPU target gets (a CPU one shares its cores with the draft)
     sends = []
     real_prefill = scheduler.drafter.prefill
     scheduler.drafter.prefill = lambda prefills: sends.append(dict(prefills)) or real_prefill(prefills)
