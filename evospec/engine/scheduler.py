@@ -407,8 +407,10 @@ class Scheduler:
         sessions)."""
         requests = {r.key: clip_depth(r.spec.tree, k) for r in decoding if r.lease.drafting and k > 0}
         draft_prefills = {key: n for key, n in prefills.items() if self._running[key].lease.drafting}
-        catch_up = plan_catch_up([(r.key, r.lease) for r in decoding if r.output_ids],  # after the first token
-                                 self.config.prefill_chunk - sum(draft_prefills.values()))
+        # Catch-up waits for a step without target prefill (and for the request's first token): on shared hardware
+        # it would otherwise delay other requests' first tokens.
+        catching_up = [(r.key, r.lease) for r in decoding if r.output_ids] if not prefills else []
+        catch_up = plan_catch_up(catching_up, self.config.prefill_chunk - sum(draft_prefills.values()))
         draft_prefills.update(catch_up)
         if not requests and not draft_prefills:
             return {}, False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import os
 import time
 import uuid
@@ -24,13 +25,17 @@ from evospec.engine.generate import SpeculativeDecoder
 from evospec.engine.scheduler import Failed, Finished, Scheduler, TokensOut
 from evospec.engine.stats import SpecStats
 from evospec.errors import InvalidRequestError
+from evospec.kernels.linear import linear_orders
 from evospec.loading import apply_cpu_settings, cpu_description, load_model, load_static_ids, stop_token_ids
+from evospec.model.qwen3 import forward_seconds
 from evospec.services.common.bearer import check_bearer
 from evospec.services.config import PublicApiConfig, TargetServiceConfig
 from evospec.services.target.draft_link import DraftReplicas
 from evospec.services.target.remote_draft import RemoteMuxDrafter
 from evospec.services.target.textstream import TextStream, checked_stop
 from evospec.tokenizer import chat_prompt_ids, load_tokenizer, max_token_bytes
+
+log = logging.getLogger(__name__)
 
 CHAT_ROLES = ("system", "user", "assistant")
 CHAT_TEMPLATE_BYTES_PER_MESSAGE = 16  # "<|im_start|>" + "\n" + "<|im_end|>\n" around each message (Qwen template)
@@ -142,7 +147,10 @@ class TargetServer:
                                      eos_ids=stop_token_ids(folder))
         drafter = RemoteMuxDrafter(drafts.pool, decoder.policies.layout, decoder.target.vocab_size, sha,
                                    decoder.target.device)
+        if not cfg.scheduler.adaptive:  # first calls of each kernel at start-up, not in a user's first request (the
+            forward_seconds(model, sizes=(1, 4, 64), repeats=0)  # adaptive budget's start-up measurement does this)
         scheduler = Scheduler(decoder, cfg.scheduler, drafter).start()
+        log.info("target linear maps, operand order measured on this machine: %s", linear_orders())
         tokenizer = load_tokenizer(str(folder))
         max_prompt_bytes = cfg.public.max_prompt_bytes or decoder.max_model_len * max_token_bytes(tokenizer)
         return cls(decoder, tokenizer, drafts, scheduler, cfg.default_spec, sha, str(Path(folder)), metrics,

@@ -237,6 +237,29 @@ def test_deferred_draft_prefill_never_delays_the_first_token(decoder):
     assert stats.drafted > 0 and stats.fallback_steps == 0 and stats.fallback_reason == ""
 
 
+def test_catch_up_waits_for_steps_without_target_prefill(decoder):
+    """A draft's catch-up never runs in a step that prefills another request's prompt (it would delay that
+    request's first token); it runs once the target's prefill is done."""
+    spec = SpecParams(method="frspec", tree=TreeParams(shape="chain", num_draft_tokens=3), vocab={"static_size": 64})
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, prefill_chunk=8, adaptive=False))
+    drafter = scheduler.drafter = RecordingDrafter(scheduler.drafter)
+    prefilling_at_catch_up = []
+    real_prefill = drafter.prefill
+
+    def prefill(prefills):
+        prefilling_at_catch_up.append(any(r.target.prefill_remaining for r in scheduler._running.values()))
+        return real_prefill(prefills)
+    drafter.prefill = prefill
+    first, second = Collector(), Collector()
+    scheduler.submit(list(range(2, 20)), SamplingParams(max_tokens=30, ignore_eos=True), spec, first)
+    while not first.tokens:
+        scheduler.step()
+    scheduler.submit(list(range(3, 60)), SamplingParams(max_tokens=30, ignore_eos=True), spec, second)
+    scheduler.run_until_idle()
+    assert prefilling_at_catch_up and not any(prefilling_at_catch_up)
+    assert first.finished.stats.drafted > 0 and second.finished.stats.drafted > 0
+
+
 def test_admission_waits_for_kv_and_refuses_what_never_fits(decoder):
     sampling = SamplingParams(max_tokens=20, ignore_eos=True)
     scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=64, max_waiting=2, adaptive=False))
