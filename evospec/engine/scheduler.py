@@ -436,7 +436,7 @@ class Scheduler:
             request = self._running.get(key)
             if request is not None:
                 request.lease.caught_up(n)
-        return trees, True
+        return trees, bool(draft_prefills)
 
     def _verify(self, decoding: list[_Request], prefills: dict[str, int], trees: dict[str, DraftTree],
                 drafting: set[str]) -> tuple[int, float, float, int]:

@@ -346,6 +346,29 @@ def test_budget_picks_depth_by_goodput_and_re_measures():
     assert light == 6 and 0 < heavy < light  # the busier the step, the shallower the speculation
 
 
+def test_the_budget_learns_from_drafting_steps_not_from_prefilling_ones(decoder):
+    """Steps that drafted trees feed the budget's draft costs and goodput; steps in which a draft session prefilled
+    (its catch-up) are left out, since their cost is not drafting's."""
+    target_cost, draft_prior = TokenCostTable(), OnlineCost(4)
+    for tokens in (1, 8, 64):
+        target_cost.update(tokens, 0.01)
+    draft_prior.calibrate([1.0, 1.0, 1.0, 1.0], 1e-6)  # drafting looks free: the budget drafts
+    budget = SpeculationBudget(target_cost, draft_prior)
+    recorded = []
+    real_record = budget.record_step_outcome
+    budget.record_step_outcome = lambda outcome: recorded.append(outcome) or real_record(outcome)
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, prefill_chunk=8), budget=budget)
+    spec = SpecParams(method="frspec", tree=TreeParams(shape="chain", num_draft_tokens=3), vocab={"static_size": 64})
+    sink = Collector()
+    scheduler.submit(list(range(2, 30)), SamplingParams(max_tokens=20, ignore_eos=True), spec, sink)
+    scheduler.run_until_idle()
+    assert sink.finished.stats.drafted > 0
+    assert any(o.trees and not o.draft_prefilled for o in recorded)  # drafting steps count ...
+    assert any(o.draft_prefilled for o in recorded)  # ... and the catch-up steps are marked
+    assert any(drafted for (_, _, drafted) in budget._goodput)
+    assert budget.draft_cost(("frspec", 64, 0)).weights.any()
+
+
 def test_budget_safety_net_stops_drafting_that_measures_worse():
     from evospec.engine.budget import Acceptance, draft_features
     target, draft = TokenCostTable(), OnlineCost(4)
