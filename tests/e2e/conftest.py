@@ -50,9 +50,10 @@ def service(tls_files):
     os.environ.update({TLS_CERT_ENV: tls_files["cert"], TLS_KEY_ENV: tls_files["key"],
                        TLS_PORT_ENV: str(tls_files["port"])})
     cfg = placed_on_nodes(AppConfig.from_yaml(DEFAULT_CONFIG))
-    # Every request drafts its full tree (no load-adaptive depth), so statistics and seeded samples can be compared
-    # with the per-request loop exactly; the adaptive depth is tested against the stream in test_internal_protocol.
-    scheduler = cfg.target.scheduler.model_copy(update={"adaptive": False})
+    # Every request drafts its full tree (no load-adaptive depth) from its first step (the draft prefills with the
+    # target), so statistics and seeded samples can be compared with the per-request loop exactly; the adaptive
+    # depth and the deferred draft prefill are tested against the stream in test_internal_protocol.
+    scheduler = cfg.target.scheduler.model_copy(update={"adaptive": False, "draft_prefill": "with_target"})
     # Serve checks the Target's health every 2 s (default 10), so a replica whose engine died is replaced quickly.
     replica = cfg.target.replica.model_copy(update={"health_check_period_s": 2.0})
     cfg = cfg.model_copy(update={"grpc_port": free_port(), "http_port": free_port(),
