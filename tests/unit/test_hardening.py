@@ -60,8 +60,9 @@ def service(tiny_draft_replica):
 
     async def name():
         return "tiny"
-    # Every request drafts its full tree (no load-adaptive depth 0), so each case exercises its shape.
-    cfg = TargetServiceConfig(scheduler=SchedulerConfig(adaptive=False))
+    # Every request drafts its full tree at every step (no load-adaptive depth 0, no deferred draft prefill), so
+    # each case exercises its shape.
+    cfg = TargetServiceConfig(scheduler=SchedulerConfig(adaptive=False, draft_prefill="with_target"))
     target = TargetServer.from_config(cfg, DraftSide(pool, name, name))
     info = asyncio.run(target.info())
     limits = Limits(info.max_model_len, info.static_vocab_size, info.max_prompt_bytes, max_tokens=4)
