@@ -61,22 +61,46 @@ class OnlineCost:
 
 
 class TokenCostTable:
-    """Seconds of one target forward by its number of tokens: a table of measured sizes (start-up calibration, then
-    every plain step, averaged with forgetting), linear between them. A table, not a line: on a CPU a forward costs
-    about the same for 1 to ~8 tokens (weights are read once) and grows linearly beyond (compute)."""
+    """Seconds of one target forward by its number of tokens, as a shape times a level.
+
+    - The shape: seconds by size, linear between measured sizes. A table, not a line: on a CPU a forward costs
+      about the same for 1 to ~8 tokens (weights are read once) and grows linearly beyond (compute). Its sizes come
+      from the start-up measurement (`calibrate`) and, beyond the largest calibrated size (prefill chunks), from
+      measured steps (averaged with forgetting).
+    - The level: what plain steps within the calibrated sizes measure now, over the shape at their size (averaged
+      with forgetting). Contexts grow (attention reads more KV), a neighbour takes a core: the level follows, so a
+      size seen only at start-up, the size a drafting step runs, is priced at today's level, and the context's
+      growth is not billed to drafting.
+    """
 
     def __init__(self, decay: float = 0.8, max_sizes: int = 4096):
         self.decay, self.max_sizes = decay, max_sizes
-        self._seconds: dict[int, float] = {}
+        self._seconds: dict[int, float] = {}  # the shape, at level 1
+        self._calibrated_max = 0  # sizes up to this one are priced from the start-up shape
+        self.level = 1.0
+
+    def calibrate(self, tokens: int, seconds: float) -> None:
+        """A start-up measurement of `tokens` (the level then was 1)."""
+        self._seconds[tokens] = seconds
+        self._calibrated_max = max(self._calibrated_max, tokens)
 
     def update(self, tokens: int, seconds: float) -> None:
+        """A plain step of `tokens` took `seconds`."""
+        if tokens <= self._calibrated_max:
+            ratio = seconds / max(self._shape(tokens), 1e-9)
+            self.level = self.decay * self.level + (1 - self.decay) * ratio
+            return
+        at_level = seconds / self.level
         old = self._seconds.get(tokens)
         if old is not None:
-            self._seconds[tokens] = self.decay * old + (1 - self.decay) * seconds
+            self._seconds[tokens] = self.decay * old + (1 - self.decay) * at_level
         elif len(self._seconds) < self.max_sizes:
-            self._seconds[tokens] = seconds
+            self._seconds[tokens] = at_level
 
     def __call__(self, tokens: int) -> float:
+        return self._shape(tokens) * self.level
+
+    def _shape(self, tokens: int) -> float:
         if tokens in self._seconds:
             return self._seconds[tokens]
         sizes = sorted(self._seconds)
@@ -170,8 +194,8 @@ class Acceptance:
 
 @dataclass
 class GoodputMeter:
-    """Committed tokens per second over recent steps of one kind (drafting or plain): tokens and seconds each
-    averaged with forgetting, divided when read."""
+    """Tokens per second over recent steps of one kind (committed by drafting or by plain steps; prefilled by a
+    draft's catch-up): tokens and seconds each averaged with forgetting, divided when read."""
     min_steps = 3  # steps before the safety net trusts it
     noise_margin = 0.05  # drafting must measure this much below plain before it is vetoed
     decay: float = 0.8
@@ -218,18 +242,21 @@ class SpeculationBudget:
         self._steps_without_draft = 0
         self._explore_interval = explore_every
         self._goodput: dict[tuple, GoodputMeter] = {}  # (kinds, batch-size bucket, drafted) -> tokens/s
+        self._draft_prefill = GoodputMeter()  # context tokens a draft prefills per second (catch-up's price)
 
     @classmethod
     def measured(cls, target: Qwen3, draft: Qwen3 | None) -> "SpeculationBudget":
-        """Start-up costs: target forwards (with the full head) of 1 to 64 tokens (larger steps, prefill chunks, are
-        measured as they run), and draft forwards of 1/8 rows without any head (draft None: a remote draft, learnt
-        from the first steps; it starts at a tenth of a target step per level). The draft's estimate is optimistic on purpose: the first steps then draft, measure what
-        drafting really costs with each method's head, and the estimate follows (a pessimistic start would never
-        draft, so it would never learn otherwise)."""
+        """Start-up costs: target forwards (with the full head) of 1 to 64 tokens (the cost table's shape; larger
+        steps, prefill chunks, are measured as they run), and draft forwards of 1/8 rows without any head (draft
+        None: a remote draft, learnt from the first steps; it starts at a tenth of a target step per level).
+
+        The draft's estimate is optimistic on purpose: the first steps then draft, measure what drafting really
+        costs with each method's head, and the estimate follows (a pessimistic start would never draft, so it would
+        never learn otherwise)."""
         target_cost, draft_cost = TokenCostTable(), OnlineCost(4)
         target_seconds = forward_seconds(target, sizes=(1, 2, 3, 4, 6, 8, 16, 32, 64), repeats=2, with_head=True)
         for n, seconds in target_seconds.items():
-            target_cost.update(n, seconds)
+            target_cost.calibrate(n, seconds)
         if draft is not None:
             for sessions, seconds in forward_seconds(draft, sizes=(1, 8), repeats=2).items():
                 draft_cost.calibrate(draft_features(1, sessions, sessions), seconds)  # a depth-1 step of chains
@@ -252,8 +279,12 @@ class SpeculationBudget:
 
     def record_step_outcome(self, outcome: StepOutcome) -> None:
         """What an engine step cost and gave: its costs (`record_step`; drafting rows by kind) and, for a step of
-        decoding alone, its goodput (`record_goodput`). A step in which a draft session prefilled is skipped."""
+        decoding alone, its goodput (`record_goodput`). Of a step in which a draft session prefilled, only a plain
+        target forward counts (it is timed apart from the draft's prefill); drafting costs and goodput are not
+        drafting's there."""
         if outcome.draft_prefilled:
+            if not outcome.trees:
+                self.record_step(outcome.tokens, outcome.target_seconds)
             return
         drafted_rows: dict[tuple, tuple[int, int]] = {}  # kind -> (sessions, rows per level) that got trees
         for kind, shape in outcome.trees:
@@ -309,26 +340,12 @@ class SpeculationBudget:
         if not requests:
             return 0
         max_depth = max(p.levels for p, _, _ in requests)
-        kinds: dict[tuple, list[int]] = {}  # kind -> [sessions, rows per level]
-        for params, _, kind in requests:
-            entry = kinds.setdefault(kind, [0, 0])
-            entry[0] += 1
-            entry[1] += params.width
-        priors = {kind: self.priors(kind, max_depth) for kind in kinds}
         best_k, best = 0, -1.0
-        for k in range(max_depth + 1):
-            tokens, committed = prefill_tokens, 0.0
-            for params, acceptance, kind in requests:
-                depth, nodes = clipped_size(params, k)
-                tokens += 1 + nodes
-                committed += 1 + acceptance.expected_accepted(depth, priors[kind])
-            seconds = self.target_cost(tokens)
-            if k:
-                seconds += sum(self.draft_cost(kind)(draft_features(k, n, rows)) for kind, (n, rows) in kinds.items())
+        for k, (committed, seconds) in enumerate(self._expected_steps(requests, prefill_tokens)):
             goodput = committed / max(seconds, 1e-9)
             if goodput > best * 1.0001:  # ties go to the shallower depth
                 best_k, best = k, goodput
-        vetoed = bool(best_k) and self._measured_worse(frozenset(kinds), len(requests))
+        vetoed = bool(best_k) and self._measured_worse(frozenset(kind for _, _, kind in requests), len(requests))
         if vetoed:
             best_k = 0  # whatever the model predicts, speculation must not cost throughput
         if best_k == 0 and max_depth > 0:
@@ -345,3 +362,52 @@ class SpeculationBudget:
             self._steps_without_draft = 0
             self._explore_interval = self.explore_every
         return best_k
+
+    def _expected_steps(self, requests: list[tuple[TreeParams, Acceptance, tuple]],
+                        prefill_tokens: int) -> list[tuple[float, float]]:
+        """(committed tokens, seconds) expected of one step of these requests at each depth k = 0, 1, ..."""
+        max_depth = max(p.levels for p, _, _ in requests)
+        kinds: dict[tuple, list[int]] = {}  # kind -> [sessions, rows per level]
+        for params, _, kind in requests:
+            entry = kinds.setdefault(kind, [0, 0])
+            entry[0] += 1
+            entry[1] += params.width
+        priors = {kind: self.priors(kind, max_depth) for kind in kinds}
+        steps = []
+        for k in range(max_depth + 1):
+            tokens, committed = prefill_tokens, 0.0
+            for params, acceptance, kind in requests:
+                depth, nodes = clipped_size(params, k)
+                tokens += 1 + nodes
+                committed += 1 + acceptance.expected_accepted(depth, priors[kind])
+            seconds = self.target_cost(tokens)
+            if k:
+                seconds += sum(self.draft_cost(kind)(draft_features(k, n, rows)) for kind, (n, rows) in kinds.items())
+            steps.append((committed, seconds))
+        return steps
+
+    def seconds_saved_per_token(self, requests: list[tuple[TreeParams, Acceptance, tuple]]) -> float:
+        """What each request's token costs less, in wall seconds, when these requests all draft at the best depth
+        than when they decode plainly (0 when drafting does not pay, or the safety net has measured it worse)."""
+        if not requests or self._measured_worse(frozenset(kind for _, _, kind in requests), len(requests)):
+            return 0.0
+        (plain_tokens, plain_seconds), *drafting = self._expected_steps(requests, 0)
+        best = min((seconds / committed for committed, seconds in drafting), default=plain_seconds / plain_tokens)
+        return max(0.0, len(requests) * (plain_seconds / plain_tokens - best))
+
+    def record_draft_prefill(self, tokens: int, seconds: float) -> None:
+        """A step in which draft sessions prefilled `tokens` context tokens, and did nothing else, in `seconds`."""
+        if tokens and seconds > 0:
+            self._draft_prefill.add(tokens, seconds)
+
+    def catch_up_pays(self, requests: list[tuple[TreeParams, Acceptance, tuple]], remaining_tokens: int,
+                      lag: int) -> bool:
+        """Whether a draft session should prefill the `lag` context tokens it still lacks: the seconds speculation
+        is expected to save over the request's `remaining_tokens` (in a batch of these speculative requests, the
+        request's own among them) exceed what the catch-up costs at the draft's measured prefill rate. Until a
+        catch-up has been measured the answer is yes: the first one measures it (a pessimistic start would never
+        learn)."""
+        if self._draft_prefill.steps == 0:
+            return True
+        cost = lag / max(self._draft_prefill.rate, 1e-9)
+        return remaining_tokens * self.seconds_saved_per_token(requests) > cost

@@ -408,8 +408,8 @@ class Scheduler:
         requests = {r.key: clip_depth(r.spec.tree, k) for r in decoding if r.lease.drafting and k > 0}
         draft_prefills = {key: n for key, n in prefills.items() if self._running[key].lease.drafting}
         # Catch-up waits for a step without target prefill (and for the request's first token): on shared hardware
-        # it would otherwise delay other requests' first tokens.
-        catching_up = [(r.key, r.lease) for r in decoding if r.output_ids] if not prefills else []
+        # it would otherwise delay other requests' first tokens. And it waits until it pays (`_catch_up_pays`).
+        catching_up = [(r.key, r.lease) for r in self._catch_ups_that_pay(decoding)] if not prefills else []
         catch_up = plan_catch_up(catching_up, self.config.prefill_chunk - sum(draft_prefills.values()))
         draft_prefills.update(catch_up)
         if not requests and not draft_prefills:
@@ -423,6 +423,8 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 - a draft failure drops the draft of its sessions, nothing more
             proposed = {key: exc for key in [*requests, *draft_prefills]}
         seconds = time.perf_counter() - start
+        if not requests and self.budget is not None:
+            self.budget.record_draft_prefill(sum(draft_prefills.values()), seconds)
         trees = {}
         for key, tree in proposed.items():
             if isinstance(tree, Exception):
@@ -437,6 +439,18 @@ class Scheduler:
             if request is not None:
                 request.lease.caught_up(n)
         return trees, bool(draft_prefills)
+
+    def _catch_ups_that_pay(self, decoding: list[_Request]) -> list[_Request]:
+        """The decoding requests whose draft session lacks context (deferred prefill, resumed draft) and should
+        prefill it now: all of them without a budget; with one, those whose expected saving over their remaining
+        tokens exceeds the catch-up's measured cost (`SpeculationBudget.catch_up_pays`). A request whose catch-up
+        never pays decodes as `ar` does, from its target session alone."""
+        lagging = [r for r in decoding if r.output_ids and r.lease.held and r.lease.lag]
+        if self.budget is None or not lagging:
+            return lagging
+        speculative = [(r.spec.tree, r.acceptance, r.kind) for r in decoding if r.lease.held]
+        return [r for r in lagging if self.budget.catch_up_pays(
+            speculative, r.sampling.max_tokens - len(r.output_ids), r.lease.lag)]
 
     def _verify(self, decoding: list[_Request], prefills: dict[str, int], trees: dict[str, DraftTree],
                 drafting: set[str]) -> tuple[int, float, float, int]:

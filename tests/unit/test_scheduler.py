@@ -369,6 +369,56 @@ def test_the_budget_learns_from_drafting_steps_not_from_prefilling_ones(decoder)
     assert budget.draft_cost(("frspec", 64, 0)).weights.any()
 
 
+def test_the_target_cost_follows_the_context_so_drafting_is_not_billed_for_it():
+    """Calibrated at start-up over a short context; later plain steps of 1 token take twice as long (a long
+    context): the price of the 8-token forward a drafting step runs doubles too, so a drafting step that costs
+    just that is charged nothing beyond its draft's own time."""
+    from evospec.engine.budget import draft_features
+    table = TokenCostTable()
+    for tokens, seconds in ((1, 0.010), (8, 0.012), (64, 0.040)):
+        table.calibrate(tokens, seconds)
+    for _ in range(30):
+        table.update(1, 0.020)
+    assert table(1) == pytest.approx(0.020, rel=0.01) and table(8) == pytest.approx(0.024, rel=0.01)
+    table.update(256, 0.200)  # a prefill chunk beyond the calibrated sizes is a size of its own
+    assert table(256) == pytest.approx(0.200) and table(64) == pytest.approx(0.080, rel=0.01)
+    budget = SpeculationBudget(table, OnlineCost(4))
+    budget.record_step(8, 0.024, depth=7, drafting={("sd",): (1, 1)}, draft_seconds=0.007)
+    assert budget.draft_cost(("sd",))(draft_features(7, 1, 1)) == pytest.approx(0.007, rel=0.05)
+
+
+def test_a_catch_up_runs_only_where_it_pays(decoder):
+    """The draft's prefill of a request's context is bought only when the speculation it enables is expected to
+    save more over the request's remaining tokens than it costs: an expensive catch-up for a short answer never
+    runs (the request decodes as `ar` would, counted as no fallback), a long answer still catches up."""
+    from evospec.engine.budget import Acceptance
+    chain = TreeParams(shape="chain", num_draft_tokens=4)
+    kind = ("frspec", 64, 0)
+    requests = [(chain, Acceptance([100.0] * 4, [90.0] * 4), kind)]
+    target_cost, draft_prior = TokenCostTable(), OnlineCost(4)
+    for tokens in (1, 8, 64):
+        target_cost.calibrate(tokens, 0.01)
+    draft_prior.calibrate([1.0, 1.0, 1.0, 1.0], 1e-6)
+    budget = SpeculationBudget(target_cost, draft_prior)
+    assert budget.catch_up_pays(requests, remaining_tokens=2, lag=1000)  # unmeasured: the first catch-up measures
+    budget.record_draft_prefill(100, 0.1)  # 1 ms per context token
+    saved = budget.seconds_saved_per_token(requests)
+    assert 0 < saved < 0.01
+    assert budget.catch_up_pays(requests, remaining_tokens=1000, lag=100)
+    assert not budget.catch_up_pays(requests, remaining_tokens=10, lag=1000)
+
+    budget.record_draft_prefill(1, 1000.0)  # now a catch-up is ruinous: the request never drafts
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, prefill_chunk=8), budget=budget)
+    spec = SpecParams(method="frspec", tree=chain, vocab={"static_size": 64})
+    sampling = SamplingParams(max_tokens=12, ignore_eos=True)
+    sink = Collector()
+    scheduler.submit(list(range(2, 30)), sampling, spec, sink)
+    scheduler.run_until_idle()
+    stats = sink.finished.stats
+    assert stats.drafted == 0 and stats.fallback_steps == 0 and not stats.fallback_reason
+    assert sink.tokens == oracle(decoder, list(range(2, 30)), sampling, SpecParams(method="ar")).output_ids
+
+
 def test_budget_safety_net_stops_drafting_that_measures_worse():
     from evospec.engine.budget import Acceptance, draft_features
     target, draft = TokenCostTable(), OnlineCost(4)
