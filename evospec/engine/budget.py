@@ -243,6 +243,7 @@ class SpeculationBudget:
         self._explore_interval = explore_every
         self._goodput: dict[tuple, GoodputMeter] = {}  # (kinds, batch-size bucket, drafted) -> tokens/s
         self._draft_prefill = GoodputMeter()  # context tokens a draft prefills per second (catch-up's price)
+        self._answer_length: float | None = None  # output tokens of finished requests, averaged with forgetting
 
     @classmethod
     def measured(cls, target: Qwen3, draft: Qwen3 | None) -> "SpeculationBudget":
@@ -400,14 +401,33 @@ class SpeculationBudget:
         if tokens and seconds > 0:
             self._draft_prefill.add(tokens, seconds)
 
+    def record_finished(self, generated_tokens: int) -> None:
+        """A request ended after `generated_tokens` output tokens (EOS, a stop rule or its max_tokens)."""
+        old = self._answer_length
+        self._answer_length = generated_tokens if old is None else 0.9 * old + 0.1 * generated_tokens
+
+    def expected_remaining(self, generated: int, max_tokens: int) -> int:
+        """Output tokens a request that has `generated` is still expected to produce: what its max_tokens allows,
+        cut to the typical answer's length (a request already past it is assumed to run half that again). Before
+        any request has finished, its max_tokens (optimistic, like every start here)."""
+        allowed = max_tokens - generated
+        if self._answer_length is None:
+            return allowed
+        typical = self._answer_length
+        return max(1, min(allowed, round(max(typical - generated, typical / 2))))
+
+    def catch_up_terms(self, requests: list[tuple[TreeParams, Acceptance, tuple]], remaining_tokens: int,
+                       lag: int) -> tuple[float, float]:
+        """(seconds saved, seconds spent) if a draft session prefilled the `lag` context tokens it still lacks: what
+        speculation is expected to save over the request's `remaining_tokens` (in a batch of these speculative
+        requests, the request's own among them), and what the catch-up costs at the draft's measured prefill rate
+        (0 until a catch-up has been measured: the first one measures it, a pessimistic start would never learn)."""
+        saved = remaining_tokens * self.seconds_saved_per_token(requests)
+        cost = lag / max(self._draft_prefill.rate, 1e-9) if self._draft_prefill.steps else 0.0
+        return saved, cost
+
     def catch_up_pays(self, requests: list[tuple[TreeParams, Acceptance, tuple]], remaining_tokens: int,
                       lag: int) -> bool:
-        """Whether a draft session should prefill the `lag` context tokens it still lacks: the seconds speculation
-        is expected to save over the request's `remaining_tokens` (in a batch of these speculative requests, the
-        request's own among them) exceed what the catch-up costs at the draft's measured prefill rate. Until a
-        catch-up has been measured the answer is yes: the first one measures it (a pessimistic start would never
-        learn)."""
-        if self._draft_prefill.steps == 0:
-            return True
-        cost = lag / max(self._draft_prefill.rate, 1e-9)
-        return remaining_tokens * self.seconds_saved_per_token(requests) > cost
+        """Whether the catch-up is expected to save more than it costs (`catch_up_terms`)."""
+        saved, cost = self.catch_up_terms(requests, remaining_tokens, lag)
+        return cost == 0.0 or saved > cost

@@ -84,6 +84,7 @@ class _Request:
     target: TargetSession | None = None
     output_ids: list[int] = field(default_factory=list)
     acceptance: Acceptance = field(default_factory=Acceptance)
+    catch_up_pays: bool | None = None  # the last catch-up decision (logged when it changes)
 
     @property
     def kind(self) -> tuple:
@@ -442,15 +443,26 @@ class Scheduler:
 
     def _catch_ups_that_pay(self, decoding: list[_Request]) -> list[_Request]:
         """The decoding requests whose draft session lacks context (deferred prefill, resumed draft) and should
-        prefill it now: all of them without a budget; with one, those whose expected saving over their remaining
-        tokens exceeds the catch-up's measured cost (`SpeculationBudget.catch_up_pays`). A request whose catch-up
-        never pays decodes as `ar` does, from its target session alone."""
+        prefill it now. Without a budget, all of them. With one, those whose expected saving over the tokens they
+        are still expected to generate exceeds the catch-up's measured cost (`SpeculationBudget.catch_up_terms`).
+        A request whose catch-up never pays decodes as `ar` does, from its target session alone."""
         lagging = [r for r in decoding if r.output_ids and r.lease.held and r.lease.lag]
         if self.budget is None or not lagging:
             return lagging
         speculative = [(r.spec.tree, r.acceptance, r.kind) for r in decoding if r.lease.held]
-        return [r for r in lagging if self.budget.catch_up_pays(
-            speculative, r.sampling.max_tokens - len(r.output_ids), r.lease.lag)]
+        paying = []
+        for request in lagging:
+            remaining = self.budget.expected_remaining(len(request.output_ids), request.sampling.max_tokens)
+            saved, cost = self.budget.catch_up_terms(speculative, remaining, request.lease.lag)
+            pays = cost == 0.0 or saved > cost
+            if pays != request.catch_up_pays:
+                log.info("request %s: the draft %s its %d-token catch-up (expected saving %.1f s over %d tokens, "
+                         "cost %.1f s)", request.key[:8], "starts" if pays else "defers", request.lease.lag, saved,
+                         remaining, cost)
+                request.catch_up_pays = pays
+            if pays:
+                paying.append(request)
+        return paying
 
     def _verify(self, decoding: list[_Request], prefills: dict[str, int], trees: dict[str, DraftTree],
                 drafting: set[str]) -> tuple[int, float, float, int]:
@@ -493,6 +505,8 @@ class Scheduler:
             if tokens:
                 self._emit(request, TokensOut(tokens))
             if finish is not None:
+                if self.budget is not None:
+                    self.budget.record_finished(len(request.output_ids))
                 self._release(request)
                 self._emit(request, Finished(finish, stats))
         self.profile.add("commit", time.perf_counter() - commit_start)

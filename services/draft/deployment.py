@@ -13,6 +13,7 @@ import ray
 from ray import serve
 
 from evospec.services.common.health import raise_if_unhealthy
+from evospec.services.common.logs import log_to_serve
 from evospec.services.common.metrics import AdaptMetrics
 from evospec.services.config import DraftServiceConfig
 from evospec.services.draft.server import DraftServer
@@ -24,6 +25,7 @@ log = logging.getLogger("ray.serve")
 @serve.deployment(name="Draft")
 class DraftDeployment:
     def __init__(self, config: dict):
+        log_to_serve()
         cfg = DraftServiceConfig(**config)
         if cfg.internal.secret is None:
             raise ValueError("draft.internal.secret is not set: build the application with "

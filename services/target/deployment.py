@@ -16,6 +16,7 @@ import ray
 from ray import serve
 
 from evospec.services.common.health import check_response, raise_if_unhealthy
+from evospec.services.common.logs import log_to_serve
 from evospec.services.common.metrics import HttpMetrics, ServiceMetrics
 from evospec.services.config import DraftLinkConfig, TargetServiceConfig
 from evospec.services.target.draft_link import DraftReplicas
@@ -59,6 +60,7 @@ def served_model_name(cfg: TargetServiceConfig, model_folder: str) -> str:
 @serve.ingress()
 class TargetDeployment:
     def __init__(self, draft, config: dict):
+        log_to_serve()
         cfg = TargetServiceConfig(**config)
         self.pool = DraftReplicas(serve_discovery(draft, cfg.draft_link), cfg.draft_link)
         drafts = DraftSide(self.pool, model_name=lambda: draft.model.remote(),

@@ -407,6 +407,12 @@ def test_a_catch_up_runs_only_where_it_pays(decoder):
     assert budget.catch_up_pays(requests, remaining_tokens=1000, lag=100)
     assert not budget.catch_up_pays(requests, remaining_tokens=10, lag=1000)
 
+    assert budget.expected_remaining(generated=1, max_tokens=500) == 499  # no answer has ended yet
+    for length in (40, 40, 40):
+        budget.record_finished(length)
+    assert budget.expected_remaining(1, 500) == 39 and budget.expected_remaining(1, 10) == 9
+    assert budget.expected_remaining(100, 500) == 20  # past the typical length: half that again
+
     budget.record_draft_prefill(1, 1000.0)  # now a catch-up is ruinous: the request never drafts
     scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, prefill_chunk=8), budget=budget)
     spec = SpecParams(method="frspec", tree=chain, vocab={"static_size": 64})
