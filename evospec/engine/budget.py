@@ -247,7 +247,7 @@ class SpeculationBudget:
 
     @classmethod
     def measured(cls, target: Qwen3, draft: Qwen3 | None) -> "SpeculationBudget":
-        """Start-up costs: target forwards (with the full head) of 1 to 64 tokens (the cost table's shape; larger
+        """Start-up costs: target forwards (with the full head) of 1 to 32 tokens (the cost table's shape; larger
         steps, prefill chunks, are measured as they run), and draft forwards of 1/8 rows without any head (draft
         None: a remote draft, learnt from the first steps; it starts at a tenth of a target step per level).
 
@@ -255,7 +255,7 @@ class SpeculationBudget:
         costs with each method's head, and the estimate follows (a pessimistic start would never draft, so it would
         never learn otherwise)."""
         target_cost, draft_cost = TokenCostTable(), OnlineCost(4)
-        target_seconds = forward_seconds(target, sizes=(1, 2, 3, 4, 6, 8, 16, 32, 64), repeats=2, with_head=True)
+        target_seconds = forward_seconds(target, sizes=(1, 2, 3, 4, 6, 8, 16, 32), repeats=2, with_head=True)
         for n, seconds in target_seconds.items():
             target_cost.calibrate(n, seconds)
         if draft is not None:
