@@ -402,14 +402,15 @@ class SpeculationBudget:
             self._draft_prefill.add(tokens, seconds)
 
     def record_finished(self, generated_tokens: int) -> None:
-        """A request ended after `generated_tokens` output tokens (EOS, a stop rule or its max_tokens)."""
+        """A request ended on its own (EOS) after `generated_tokens` output tokens. One cut by its max_tokens says
+        nothing of an answer's length (a warm-up of 2 tokens would make every answer look short)."""
         old = self._answer_length
         self._answer_length = generated_tokens if old is None else 0.9 * old + 0.1 * generated_tokens
 
     def expected_remaining(self, generated: int, max_tokens: int) -> int:
         """Output tokens a request that has `generated` is still expected to produce: what its max_tokens allows,
         cut to the typical answer's length (a request already past it is assumed to run half that again). Before
-        any request has finished, its max_tokens (optimistic, like every start here)."""
+        any request has ended on its own, its max_tokens (optimistic, like every start here)."""
         allowed = max_tokens - generated
         if self._answer_length is None:
             return allowed

@@ -99,7 +99,8 @@ class SpeculativeDecoder:
             self.policies.layout(spec)
             if not remote_draft:
                 if self.draft is None:
-                    raise InvalidRequestError("spec.method", f"'{spec.method}' needs a draft model; this server has none")
+                    raise InvalidRequestError("spec.method",
+                                              f"'{spec.method}' needs a draft model; this server has none")
                 self.policies.get(spec)  # built once per server and method, before the first request needs it
 
     def generate(self, prompt_ids: list[int], sampling: SamplingParams, spec: SpecParams,

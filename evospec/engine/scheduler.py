@@ -505,7 +505,7 @@ class Scheduler:
             if tokens:
                 self._emit(request, TokensOut(tokens))
             if finish is not None:
-                if self.budget is not None:
+                if self.budget is not None and finish == "stop":  # a natural end; max_tokens says nothing of it
                     self.budget.record_finished(len(request.output_ids))
                 self._release(request)
                 self._emit(request, Finished(finish, stats))
