@@ -17,8 +17,10 @@ tokens, so verification stays lossless whatever is chosen.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import functools
+import statistics
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -192,6 +194,15 @@ class Acceptance:
         return total
 
 
+@dataclass(frozen=True)
+class CatchUp:
+    """A decision on a draft's catch-up, with what it rests on (the scheduler logs it)."""
+    pays: bool
+    saved: float  # seconds speculation is expected to save over the request's remaining tokens
+    cost: float  # seconds the catch-up is expected to take
+    why: str  # set when the decision is made to learn, not from saved vs cost
+
+
 @dataclass
 class GoodputMeter:
     """Tokens per second over recent steps of one kind (committed by drafting or by plain steps; prefilled by a
@@ -238,12 +249,13 @@ class SpeculationBudget:
         self.draft_costs: dict[tuple, OnlineCost] = {}
         self.prior_alpha = prior_alpha  # acceptance of a request before its kind has drafted
         self.acceptance: dict[tuple, Acceptance] = {}  # per kind, over every request so far
+        self.learn_trees = 32  # verified trees of a kind before its acceptance may talk a catch-up down
         self.explore_every = explore_every  # after this many steps without a draft, draft once to re-measure
         self._steps_without_draft = 0
         self._explore_interval = explore_every
         self._goodput: dict[tuple, GoodputMeter] = {}  # (kinds, batch-size bucket, drafted) -> tokens/s
         self._draft_prefill = GoodputMeter()  # context tokens a draft prefills per second (catch-up's price)
-        self._answer_length: float | None = None  # output tokens of finished requests, averaged with forgetting
+        self._answer_lengths: collections.deque[int] = collections.deque(maxlen=32)  # recent natural ends
 
     @classmethod
     def measured(cls, target: Qwen3, draft: Qwen3 | None) -> "SpeculationBudget":
@@ -403,32 +415,32 @@ class SpeculationBudget:
 
     def record_finished(self, generated_tokens: int) -> None:
         """A request ended on its own (EOS) after `generated_tokens` output tokens. One cut by its max_tokens says
-        nothing of an answer's length (a warm-up of 2 tokens would make every answer look short)."""
-        old = self._answer_length
-        self._answer_length = generated_tokens if old is None else 0.9 * old + 0.1 * generated_tokens
+        nothing of an answer's length."""
+        self._answer_lengths.append(generated_tokens)
 
     def expected_remaining(self, generated: int, max_tokens: int) -> int:
         """Output tokens a request that has `generated` is still expected to produce: what its max_tokens allows,
-        cut to the typical answer's length (a request already past it is assumed to run half that again). Before
-        any request has ended on its own, its max_tokens (optimistic, like every start here)."""
+        cut to the median length of the last 32 answers that ended on their own (a request already past it is
+        assumed to run half that again). A median, so one short warm-up ("say hello") does not make every answer
+        look short; before 3 answers have ended on their own, max_tokens (optimistic, like every start here)."""
         allowed = max_tokens - generated
-        if self._answer_length is None:
+        if len(self._answer_lengths) < 3:
             return allowed
-        typical = self._answer_length
+        typical = statistics.median(self._answer_lengths)
         return max(1, min(allowed, round(max(typical - generated, typical / 2))))
 
-    def catch_up_terms(self, requests: list[tuple[TreeParams, Acceptance, tuple]], remaining_tokens: int,
-                       lag: int) -> tuple[float, float]:
-        """(seconds saved, seconds spent) if a draft session prefilled the `lag` context tokens it still lacks: what
-        speculation is expected to save over the request's `remaining_tokens` (in a batch of these speculative
-        requests, the request's own among them), and what the catch-up costs at the draft's measured prefill rate
-        (0 until a catch-up has been measured: the first one measures it, a pessimistic start would never learn)."""
+    def catch_up(self, requests: list[tuple[TreeParams, Acceptance, tuple]], kind: tuple, remaining_tokens: int,
+                 lag: int) -> CatchUp:
+        """Whether a draft session of `kind` should prefill the `lag` context tokens it still lacks: it should when
+        the seconds speculation is expected to save over the request's `remaining_tokens` (in a batch of these
+        speculative requests, the request's own among them) exceed what the catch-up costs at the draft's measured
+        prefill rate. Until that rate is measured, or while the kind has fewer than `learn_trees` verified trees,
+        it should anyway: the decision rests on both, and a pessimistic start would never learn them."""
         saved = remaining_tokens * self.seconds_saved_per_token(requests)
-        cost = lag / max(self._draft_prefill.rate, 1e-9) if self._draft_prefill.steps else 0.0
-        return saved, cost
-
-    def catch_up_pays(self, requests: list[tuple[TreeParams, Acceptance, tuple]], remaining_tokens: int,
-                      lag: int) -> bool:
-        """Whether the catch-up is expected to save more than it costs (`catch_up_terms`)."""
-        saved, cost = self.catch_up_terms(requests, remaining_tokens, lag)
-        return cost == 0.0 or saved > cost
+        if self._draft_prefill.steps == 0:
+            return CatchUp(True, saved, 0.0, "the draft's prefill rate is not measured yet")
+        cost = lag / max(self._draft_prefill.rate, 1e-9)
+        trees = self.acceptance.get(kind, Acceptance()).reached[:1]
+        if not trees or trees[0] < self.learn_trees:
+            return CatchUp(True, saved, cost, "its acceptance is not measured yet")
+        return CatchUp(saved > cost, saved, cost, "")

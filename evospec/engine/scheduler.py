@@ -409,7 +409,7 @@ class Scheduler:
         requests = {r.key: clip_depth(r.spec.tree, k) for r in decoding if r.lease.drafting and k > 0}
         draft_prefills = {key: n for key, n in prefills.items() if self._running[key].lease.drafting}
         # Catch-up waits for a step without target prefill (and for the request's first token): on shared hardware
-        # it would otherwise delay other requests' first tokens. And it waits until it pays (`_catch_up_pays`).
+        # it would otherwise delay other requests' first tokens. And it waits until it pays (`_catch_ups_that_pay`).
         catching_up = [(r.key, r.lease) for r in self._catch_ups_that_pay(decoding)] if not prefills else []
         catch_up = plan_catch_up(catching_up, self.config.prefill_chunk - sum(draft_prefills.values()))
         draft_prefills.update(catch_up)
@@ -444,7 +444,7 @@ class Scheduler:
     def _catch_ups_that_pay(self, decoding: list[_Request]) -> list[_Request]:
         """The decoding requests whose draft session lacks context (deferred prefill, resumed draft) and should
         prefill it now. Without a budget, all of them. With one, those whose expected saving over the tokens they
-        are still expected to generate exceeds the catch-up's measured cost (`SpeculationBudget.catch_up_terms`).
+        are still expected to generate exceeds the catch-up's measured cost (`SpeculationBudget.catch_up`).
         A request whose catch-up never pays decodes as `ar` does, from its target session alone."""
         lagging = [r for r in decoding if r.output_ids and r.lease.held and r.lease.lag]
         if self.budget is None or not lagging:
@@ -453,14 +453,14 @@ class Scheduler:
         paying = []
         for request in lagging:
             remaining = self.budget.expected_remaining(len(request.output_ids), request.sampling.max_tokens)
-            saved, cost = self.budget.catch_up_terms(speculative, remaining, request.lease.lag)
-            pays = cost == 0.0 or saved > cost
-            if pays != request.catch_up_pays:
+            decision = self.budget.catch_up(speculative, request.kind, remaining, request.lease.lag)
+            if decision.pays != request.catch_up_pays:
                 log.info("request %s: the draft %s its %d-token catch-up (expected saving %.1f s over %d tokens, "
-                         "cost %.1f s)", request.key[:8], "starts" if pays else "defers", request.lease.lag, saved,
-                         remaining, cost)
-                request.catch_up_pays = pays
-            if pays:
+                         "cost %.1f s%s)", request.key[:8], "starts" if decision.pays else "defers",
+                         request.lease.lag, decision.saved, remaining, decision.cost,
+                         f"; {decision.why}" if decision.why else "")
+                request.catch_up_pays = decision.pays
+            if decision.pays:
                 paying.append(request)
         return paying
 

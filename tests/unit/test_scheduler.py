@@ -400,15 +400,18 @@ def test_a_catch_up_runs_only_where_it_pays(decoder):
         target_cost.calibrate(tokens, 0.01)
     draft_prior.calibrate([1.0, 1.0, 1.0, 1.0], 1e-6)
     budget = SpeculationBudget(target_cost, draft_prior)
-    assert budget.catch_up_pays(requests, remaining_tokens=2, lag=1000)  # unmeasured: the first catch-up measures
+    assert budget.catch_up(requests, kind, remaining_tokens=2, lag=1000).pays  # unmeasured: the first one measures
     budget.record_draft_prefill(100, 0.1)  # 1 ms per context token
+    assert budget.catch_up(requests, kind, remaining_tokens=2, lag=1000).pays  # the kind's acceptance: not yet known
+    for _ in range(budget.learn_trees):
+        budget.record_acceptance(kind, 4, 4)
     saved = budget.seconds_saved_per_token(requests)
     assert 0 < saved < 0.01
-    assert budget.catch_up_pays(requests, remaining_tokens=1000, lag=100)
-    assert not budget.catch_up_pays(requests, remaining_tokens=10, lag=1000)
-
+    assert budget.catch_up(requests, kind, remaining_tokens=1000, lag=100).pays
+    decision = budget.catch_up(requests, kind, remaining_tokens=10, lag=1000)
+    assert not decision.pays and decision.cost == pytest.approx(1.0) and decision.saved < decision.cost
     assert budget.expected_remaining(generated=1, max_tokens=500) == 499  # no answer has ended yet
-    for length in (40, 40, 40):
+    for length in (2, 40, 40, 41):  # a 2-token warm-up among them changes nothing
         budget.record_finished(length)
     assert budget.expected_remaining(1, 500) == 39 and budget.expected_remaining(1, 10) == 9
     assert budget.expected_remaining(100, 500) == 20  # past the typical length: half that again
