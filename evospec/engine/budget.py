@@ -249,7 +249,8 @@ class SpeculationBudget:
         self.draft_costs: dict[tuple, OnlineCost] = {}
         self.prior_alpha = prior_alpha  # acceptance of a request before its kind has drafted
         self.acceptance: dict[tuple, Acceptance] = {}  # per kind, over every request so far
-        self.learn_trees = 32  # verified trees of a kind before its acceptance may talk a catch-up down
+        self.learn_trees = 32  # verified trees of a kind before its measured acceptance decides a catch-up
+        self.optimistic_acceptance = 0.9  # per level, the kind's acceptance assumed until then
         self.explore_every = explore_every  # after this many steps without a draft, draft once to re-measure
         self._steps_without_draft = 0
         self._explore_interval = explore_every
@@ -376,16 +377,21 @@ class SpeculationBudget:
             self._explore_interval = self.explore_every
         return best_k
 
-    def _expected_steps(self, requests: list[tuple[TreeParams, Acceptance, tuple]],
-                        prefill_tokens: int) -> list[tuple[float, float]]:
-        """(committed tokens, seconds) expected of one step of these requests at each depth k = 0, 1, ..."""
+    def _expected_steps(self, requests: list[tuple[TreeParams, Acceptance, tuple]], prefill_tokens: int,
+                        assumed_acceptance: float | None = None) -> list[tuple[float, float]]:
+        """(committed tokens, seconds) expected of one step of these requests at each depth k = 0, 1, ...; with
+        `assumed_acceptance`, every level of every request is taken to pass at that rate."""
         max_depth = max(p.levels for p, _, _ in requests)
         kinds: dict[tuple, list[int]] = {}  # kind -> [sessions, rows per level]
         for params, _, kind in requests:
             entry = kinds.setdefault(kind, [0, 0])
             entry[0] += 1
             entry[1] += params.width
-        priors = {kind: self.priors(kind, max_depth) for kind in kinds}
+        if assumed_acceptance is not None:
+            requests = [(params, Acceptance(), kind) for params, _, kind in requests]
+            priors = {kind: [assumed_acceptance] * max_depth for kind in kinds}
+        else:
+            priors = {kind: self.priors(kind, max_depth) for kind in kinds}
         steps = []
         for k in range(max_depth + 1):
             tokens, committed = prefill_tokens, 0.0
@@ -399,12 +405,14 @@ class SpeculationBudget:
             steps.append((committed, seconds))
         return steps
 
-    def seconds_saved_per_token(self, requests: list[tuple[TreeParams, Acceptance, tuple]]) -> float:
+    def seconds_saved_per_token(self, requests: list[tuple[TreeParams, Acceptance, tuple]],
+                                assumed_acceptance: float | None = None) -> float:
         """What each request's token costs less, in wall seconds, when these requests all draft at the best depth
-        than when they decode plainly (0 when drafting does not pay, or the safety net has measured it worse)."""
+        than when they decode plainly (0 when drafting does not pay, or the safety net has measured it worse);
+        `assumed_acceptance`: at that per-level acceptance instead of the measured one."""
         if not requests or self._measured_worse(frozenset(kind for _, _, kind in requests), len(requests)):
             return 0.0
-        (plain_tokens, plain_seconds), *drafting = self._expected_steps(requests, 0)
+        (plain_tokens, plain_seconds), *drafting = self._expected_steps(requests, 0, assumed_acceptance)
         best = min((seconds / committed for committed, seconds in drafting), default=plain_seconds / plain_tokens)
         return max(0.0, len(requests) * (plain_seconds / plain_tokens - best))
 
@@ -434,13 +442,16 @@ class SpeculationBudget:
         """Whether a draft session of `kind` should prefill the `lag` context tokens it still lacks: it should when
         the seconds speculation is expected to save over the request's `remaining_tokens` (in a batch of these
         speculative requests, the request's own among them) exceed what the catch-up costs at the draft's measured
-        prefill rate. Until that rate is measured, or while the kind has fewer than `learn_trees` verified trees,
-        it should anyway: the decision rests on both, and a pessimistic start would never learn them."""
+        prefill rate. Until that rate is measured it should (the first catch-up measures it). While the kind has
+        fewer than `learn_trees` verified trees, its acceptance is taken to be `optimistic_acceptance` (a
+        pessimistic start would never draft, so never learn it); a batch in which even that would not pay, such as
+        a busy CPU, still defers."""
         saved = remaining_tokens * self.seconds_saved_per_token(requests)
         if self._draft_prefill.steps == 0:
             return CatchUp(True, saved, 0.0, "the draft's prefill rate is not measured yet")
         cost = lag / max(self._draft_prefill.rate, 1e-9)
         trees = self.acceptance.get(kind, Acceptance()).reached[:1]
         if not trees or trees[0] < self.learn_trees:
-            return CatchUp(True, saved, cost, "its acceptance is not measured yet")
+            saved = remaining_tokens * self.seconds_saved_per_token(requests, self.optimistic_acceptance)
+            return CatchUp(saved > cost, saved, cost, "its acceptance is not measured yet: assumed high")
         return CatchUp(saved > cost, saved, cost, "")

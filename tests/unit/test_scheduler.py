@@ -402,7 +402,8 @@ def test_a_catch_up_runs_only_where_it_pays(decoder):
     budget = SpeculationBudget(target_cost, draft_prior)
     assert budget.catch_up(requests, kind, remaining_tokens=2, lag=1000).pays  # unmeasured: the first one measures
     budget.record_draft_prefill(100, 0.1)  # 1 ms per context token
-    assert budget.catch_up(requests, kind, remaining_tokens=2, lag=1000).pays  # the kind's acceptance: not yet known
+    assert budget.catch_up(requests, kind, remaining_tokens=1000, lag=100).pays  # acceptance unknown: assumed high
+    assert not budget.catch_up(requests, kind, remaining_tokens=2, lag=1000).pays  # ... and still too dear
     for _ in range(budget.learn_trees):
         budget.record_acceptance(kind, 4, 4)
     saved = budget.seconds_saved_per_token(requests)
