@@ -252,7 +252,7 @@ def validated(model: type[M], /, **values) -> M:
         err = e.errors()[0]
         # A union's error names the member type it tried (`stop.str`, `prompt.list[int].0`): keep the field path.
         path = [p for p in err["loc"] if not (isinstance(p, str) and (p in UNION_MEMBER_TAGS or "[" in p))]
-        field = ".".join(str(p) for p in path) or model.__name__
+        field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".") or model.__name__
         got = repr(err.get("input"))
         got = got if len(got) <= 200 else got[:200] + "..."  # never echo a huge input back
         raise InvalidRequestError(field, f"{err['msg']} (got {got})") from None

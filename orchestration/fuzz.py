@@ -8,6 +8,8 @@ catalogue drives the property-based test in CI (tests/unit/test_hardening.py, wi
 
     evospec fuzz --cases 1000                              # starts a local service (cpu-tiny.yaml)
     evospec fuzz --address 127.0.0.1:9000 --cases 1000     # a running service
+    evospec fuzz --api openai --cases 1000                 # the OpenAI routes (a local service)
+    evospec fuzz --api openai --address http://127.0.0.1:8000 --cases 1000
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from evospec.orchestration.local import service_to_drive
+from evospec.orchestration.local import http_service_to_drive, service_to_drive
 from evospec_client.api.v1 import generate_pb2 as pb
 from evospec_client.enums import enum_string
 
@@ -200,18 +202,47 @@ INVALID: dict[str, tuple[Mutation, str]] = {
 }
 
 
-def _raw_with_invalid_utf8(rng: random.Random, limits: Limits) -> bytes:
-    """A request whose prompt (field 2, a proto3 string) holds bytes that are not UTF-8."""
-    text = bytes([0xFF, 0xFE, 0xC3]) + bytes(rng.randrange(256) for _ in range(rng.randint(0, 20)))
-    return b"\x12" + bytes([len(text)]) + text
+MARK = "Zq7#Mk2!"  # 8 bytes no request holds by chance: the placeholder a raw case overwrites in place
+NOT_UTF8 = bytes([0xFF, 0xFE, 0xC3, 0x28, 0xA0, 0xA1, 0xE2, 0x28])  # as long as MARK: length prefixes stay right
+
+
+def _non_utf8(place: Callable[[pb.GenerateRequest, str], None]) -> Callable[[random.Random, Limits], bytes]:
+    """A valid request with `place` putting MARK in one string field, serialized, MARK's bytes then replaced by
+    bytes that are not UTF-8 (no client library would send them; grpc's parser refuses them)."""
+    def build(rng: random.Random, limits: Limits) -> bytes:
+        req = base_request(rng, limits)
+        place(req, MARK)
+        return req.SerializeToString().replace(MARK.encode(), NOT_UTF8)
+    return build
+
+
+def _chat_message(role: str, content: str):
+    def place(req, mark):
+        req.ClearField("input")
+        req.chat.messages.extend([pb.ChatMessage(role="user", content="hi"),
+                                  pb.ChatMessage(role=mark if role == "MARK" else role,
+                                                 content=mark if content == "MARK" else content)])
+    return place
 
 
 def _raw_truncated(rng: random.Random, limits: Limits) -> bytes:
     return base_request(rng, limits).SerializeToString()[:-1] + b"\x0a\xff"  # a length prefix past the end
 
 
-RAW: dict[str, Callable[[random.Random, Limits], bytes]] = {"invalid_utf8": _raw_with_invalid_utf8,
-                                                           "truncated": _raw_truncated}
+# name -> (raw bytes, the field INVALID_ARGUMENT must name): every string field of GenerateRequest once
+RAW: dict[str, tuple[Callable[[random.Random, Limits], bytes], str]] = {
+    "invalid_utf8_prompt": (_non_utf8(lambda req, mark: setattr(req, "prompt", mark)), "prompt"),
+    "invalid_utf8_request_id": (_non_utf8(lambda req, mark: setattr(req, "request_id", mark)), "request_id"),
+    "invalid_utf8_chat_content": (_non_utf8(_chat_message("user", "MARK")), "chat.messages[1].content"),
+    "invalid_utf8_chat_role": (_non_utf8(_chat_message("MARK", "hi")), "chat.messages[1].role"),
+    "invalid_utf8_stop": (_non_utf8(lambda req, mark: req.sampling.stop.extend(["x", mark])), "sampling.stop[1]"),
+    "invalid_utf8_method_name": (_non_utf8(lambda req, mark: setattr(req.spec, "method_name", mark)),
+                                 "spec.method_name"),
+    "invalid_utf8_retrieval": (_non_utf8(lambda req, mark: req.spec.retrieval.append(mark)), "spec.retrieval[0]"),
+    "invalid_utf8_shape_name": (_non_utf8(lambda req, mark: setattr(req.spec.tree, "shape_name", mark)),
+                                "spec.tree.shape_name"),
+    "truncated": (_raw_truncated, "request"),
+}
 
 
 def make_case(rng: random.Random, limits: Limits) -> Case:
@@ -229,7 +260,8 @@ def make_case(rng: random.Random, limits: Limits) -> Case:
         mutate(req, rng, limits)
         return Case(name, req, field)
     name = rng.choice(sorted(RAW))
-    return Case(name, RAW[name](rng, limits), "request")
+    build, field = RAW[name]
+    return Case(name, build(rng, limits), field)
 
 
 @dataclass
@@ -326,9 +358,169 @@ def summarize(outcomes: list[Outcome], seconds: float, health: str) -> dict:
     }
 
 
+# ---- the OpenAI front (--api openai) -------------------------------------------------------------------------------
+# One catalogue for both routes: a parameter and values of it that must be refused with a 400 naming it (wrong JSON
+# types, integers past the gRPC API's widths, text that is not Unicode, what docs/openai.md lists as refused). The
+# unit tests (tests/unit/test_openai_api.py) run every entry; `evospec fuzz --api openai` samples them.
+HTTP_INVALID: dict[str, list] = {
+    "max_tokens": ["4", True, 4.5, 0, -1, 2 ** 32, 2 ** 64, [4]],
+    "temperature": ["0", True, -1, 101, [0.5]],
+    "top_p": ["1", False, 0, 1.5],
+    "top_k": ["5", True, -2, 2 ** 32, 2 ** 63, 2 ** 64, 1.5],
+    "seed": ["1", True, -1, 2 ** 64, 1.5],
+    "stream": ["yes", 1, {}],
+    "ignore_eos": ["true", 0],
+    "stop": [1, [1], ["a", 2], "\ud800", ["ok", "\udbff"], [""], ["x"] * 17],
+    "model": [5, "\udc00", "gpt-4"],
+    "n": ["1", True, 2],
+    "best_of": [2, "1"],
+    "presence_penalty": [0.5, "0"],
+    "frequency_penalty": [-0.5],
+    "logit_bias": [{"5": 1.0}],
+    "logprobs": ["yes", True, 3],
+    "top_logprobs": [1, "1"],
+    "tools": [[{"type": "function"}], "x"],
+    "tool_choice": ["auto", {"type": "function"}],
+    "response_format": [{"type": "json_object"}, "text"],
+    "echo": [True, "no"],
+    "suffix": ["end"],
+    "stream_options": ["yes", {"include_usage": "yes"}],
+    "speculation": ["evospec", {"method": "eagle"}, {"predraft": "yes"}, {"depth": 2 ** 32}, {"unknown": 1},
+                    {"dynamic_size": -1}, {"retrieval": ["magic"]}],
+}
+HTTP_VALID: dict[str, list] = {
+    "top_k": [-1, 0, 2 ** 32 - 1], "seed": [0, 2 ** 64 - 1], "temperature": [0, 1], "stream": [None, True],
+    "ignore_eos": [None, True], "logprobs": [None, False], "n": [1], "tool_choice": ["none"],
+    "response_format": [{"type": "text"}], "echo": [False], "unknown_field": ["\u00e9", 5],
+    "speculation": [{"method": "ar"}, {"method": "evospec", "depth": 2}], "stop": [["\n\n"]],
+}
+HTTP_NOT_FOUND = {("model", "gpt-4")}  # refused with 404 model_not_found (it names `model` too)
+HTTP_ROUTES = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
+HTTP_RAW = {"not_json": b"{not json", "nan": b'{"prompt": "hi", "temperature": NaN}',
+            "infinity": b'{"prompt": "hi", "top_p": Infinity}', "not_utf8": b'{"prompt": "\xff\xfe"}',
+            "not_an_object": b"[1, 2]"}
+
+
+def names_param(param: str | None, expected: str) -> bool:
+    """An OpenAI error's `param` names `expected` or an element of it (`stop[1]`, `speculation.depth`)."""
+    return param is not None and (param == expected or param.startswith((expected + ".", expected + "[")))
+
+
+@dataclass
+class HttpCase:
+    name: str
+    route: str
+    body: dict | bytes
+    param: str | None  # None = valid; else the parameter the 4xx must name
+    status: int = 400
+
+
+def base_body(rng: random.Random, route: str, max_tokens: int) -> dict:
+    body = {"max_tokens": rng.randint(1, max_tokens)}
+    if route == "/v1/chat/completions":
+        body["messages"] = [{"role": rng.choice(["system", "user", "assistant", "developer"]),
+                             "content": rng.choice(["hi", "", "Doses? 😀", "Ünïcödé ✓ 测试"])}
+                            for _ in range(rng.randint(0, 2))] + [{"role": "user", "content": "Is aspirin useful?"}]
+    else:
+        body["prompt"] = rng.choice(["Is aspirin useful after a stroke?", "def f(x):\n    return", [5, 6, 7]])
+    return body
+
+
+def make_http_case(rng: random.Random, max_tokens: int = 6) -> HttpCase:
+    """One case: valid (40%), one parameter invalid (50%), or a body that is not a JSON object of text (10%)."""
+    route = rng.choice(sorted(HTTP_ROUTES))
+    body = base_body(rng, route, max_tokens)
+    roll = rng.random()
+    if roll < 0.4:
+        param = rng.choice(sorted(HTTP_VALID))
+        return HttpCase(f"valid_{param}", route, {**body, param: rng.choice(HTTP_VALID[param])}, None)
+    if roll < 0.9:
+        param = rng.choice(sorted(HTTP_INVALID))
+        value = rng.choice(HTTP_INVALID[param])
+        return HttpCase(f"invalid_{param}", route, {**body, param: value}, param,
+                        404 if (param, value) in HTTP_NOT_FOUND else 400)
+    name = rng.choice(sorted(HTTP_RAW))
+    return HttpCase(f"raw_{name}", route, HTTP_RAW[name], "body")
+
+
+@dataclass
+class HttpOutcome:
+    case: HttpCase
+    status: int | str  # the HTTP status, or "HANG"
+    param: str | None
+    detail: str
+
+    @property
+    def ok(self) -> bool:
+        if self.case.param is None:
+            return self.status == 200
+        return self.status == self.case.status and names_param(self.param, self.case.param)
+
+
+def send_http(http, case: HttpCase, timeout_s: float) -> HttpOutcome:
+    """One case over the OpenAI front: a valid one must complete (non-streaming: a choice with a finish reason;
+    streaming: SSE ending in [DONE]); an invalid one must get its 4xx naming the parameter."""
+    import httpx2
+    content = case.body if isinstance(case.body, bytes) else json.dumps(case.body).encode()
+    try:
+        r = http.post(case.route, content=content, headers={"content-type": "application/json"}, timeout=timeout_s)
+    except httpx2.TimeoutException:
+        return HttpOutcome(case, "HANG", None, "")
+    if r.status_code != 200:
+        try:
+            error = r.json()["error"]
+        except (ValueError, KeyError, TypeError):
+            return HttpOutcome(case, r.status_code, None, r.text[:300])
+        return HttpOutcome(case, r.status_code, error.get("param"), str(error.get("message"))[:300])
+    streamed = isinstance(case.body, dict) and case.body.get("stream")
+    complete = r.text.rstrip().endswith("data: [DONE]") if streamed else \
+        r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    return HttpOutcome(case, 200 if complete else "INCOMPLETE", None, "" if complete else r.text[-300:])
+
+
+def run_http_fuzz(base_url: str, cases: int, seed: int = 0, concurrency: int = 4, timeout_s: float = 120.0,
+                  token: str | None = None) -> dict:
+    """Send `cases` HTTP cases to the OpenAI front at `base_url`; returns the summary (failures printed as found)."""
+    import os
+
+    import httpx2
+    from tqdm import tqdm
+    token = token or os.environ.get("EVOSPEC_API_TOKEN")
+    rng = random.Random(seed)
+    batch = [make_http_case(rng) for _ in range(cases)]
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    outcomes: list[HttpOutcome] = []
+    start = time.monotonic()
+    with httpx2.Client(base_url=base_url, headers=headers) as http, ThreadPoolExecutor(concurrency) as pool:
+        for future in tqdm([pool.submit(send_http, http, case, timeout_s) for case in batch], desc="fuzz openai",
+                           unit="case"):
+            outcome = future.result()
+            outcomes.append(outcome)
+            if not outcome.ok:
+                tqdm.write(f"FAIL {outcome.case.name} {outcome.case.route}: {outcome.status} "
+                           f"param={outcome.param!r} {outcome.detail[:200]!r}")
+        health = http.get("/health", timeout=10).status_code
+    valid = [o for o in outcomes if o.case.param is None]
+    invalid = [o for o in outcomes if o.case.param is not None]
+    return {"api": "openai", "cases": len(outcomes), "seconds": round(time.monotonic() - start, 1),
+            "health_after": "SERVING" if health == 200 else f"HTTP {health}",
+            "valid": len(valid), "valid_failed": sum(not o.ok for o in valid),
+            "invalid": len(invalid),
+            "invalid_not_invalid_argument": sum(o.status != o.case.status for o in invalid),
+            "invalid_field_not_named": sum(o.status == o.case.status and not o.ok for o in invalid),
+            "server_errors": sum(isinstance(o.status, int) and o.status >= 500 for o in outcomes),
+            "hangs": sum(o.status == "HANG" for o in outcomes),
+            "codes": dict(Counter(str(o.status) for o in outcomes)),
+            "failures": [{"case": o.case.name, "route": o.case.route, "status": o.status, "param": o.param,
+                          "detail": o.detail} for o in outcomes if not o.ok]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="evospec fuzz", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--address", default=None, help="a running service (default: start one from --config)")
+    ap.add_argument("--api", choices=["grpc", "openai"], default="grpc",
+                    help="the public front to fuzz: the gRPC API, or the OpenAI-compatible HTTP routes")
+    ap.add_argument("--address", default=None, help="a running service: its gRPC address, or with --api openai its "
+                                                    "HTTP base URL (default: start one from --config)")
     ap.add_argument("--config", default="cpu-tiny.yaml", help="service config when starting a local service")
     ap.add_argument("--cases", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
@@ -337,8 +529,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--token", default=None, help="bearer token (default: $EVOSPEC_API_TOKEN)")
     ap.add_argument("--out", default=None, help="write the summary as JSON here")
     args = ap.parse_args(argv)
-    with service_to_drive(args.address, args.config) as (address, app_name):
-        summary = run_fuzz(address, args.cases, args.seed, args.concurrency, args.timeout, args.token, app_name)
+    if args.api == "openai":
+        with http_service_to_drive(args.address, args.config) as (base_url, _):
+            summary = run_http_fuzz(base_url, args.cases, args.seed, args.concurrency, args.timeout, args.token)
+    else:
+        with service_to_drive(args.address, args.config) as (address, app_name):
+            summary = run_fuzz(address, args.cases, args.seed, args.concurrency, args.timeout, args.token, app_name)
     text = json.dumps(summary, indent=2)
     print(text)
     if args.out:

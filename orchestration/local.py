@@ -138,6 +138,19 @@ def service_to_drive(address: str | None, config: str) -> Iterator[tuple[str, st
         yield local_address, cfg.app_name
 
 
+@contextlib.contextmanager
+def http_service_to_drive(base_url: str | None, config: str) -> Iterator[tuple[str, str]]:
+    """(HTTP base URL, app name) for tools that drive the OpenAI front: the running service at `base_url`, else a
+    local one started from `config` on free ports and stopped afterwards."""
+    cfg = AppConfig.from_yaml(config)
+    if base_url is not None:
+        yield base_url.rstrip("/"), cfg.app_name
+        return
+    port = free_port()
+    with local_service(cfg.model_copy(update={"grpc_port": 0, "http_port": port})):
+        yield f"http://127.0.0.1:{port}", cfg.app_name
+
+
 def replica_processes(app_name: str = "evospec") -> dict[str, list]:
     """The Target and Draft replica processes of `app_name` on this machine, by role ("target", "draft"), found by
     their Ray process titles (psutil.Process objects; read only: never used to signal anything)."""

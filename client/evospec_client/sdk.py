@@ -102,12 +102,17 @@ def build_request(prompt: str | None = None, messages: list[dict] | None = None,
     for option, value in options.items():
         if value is not None and value != "":
             _set_option(req, option, value)
-    if prompt is not None:
-        req.prompt = prompt
-    elif prompt_token_ids is not None:
-        req.prompt_token_ids.ids.extend(prompt_token_ids)
-    else:
-        req.chat.CopyFrom(pb.Chat(messages=[pb.ChatMessage(**m) for m in messages], enable_thinking=enable_thinking))
+    field = "prompt" if prompt is not None else "prompt_token_ids" if prompt_token_ids is not None else "chat"
+    try:
+        if prompt is not None:
+            req.prompt = prompt
+        elif prompt_token_ids is not None:
+            req.prompt_token_ids.ids.extend(prompt_token_ids)
+        else:
+            req.chat.CopyFrom(pb.Chat(messages=[pb.ChatMessage(**m) for m in messages],
+                                      enable_thinking=enable_thinking))
+    except (ValueError, TypeError) as e:  # a value the wire cannot hold (an id of -1, a message's unknown key)
+        raise InvalidArgument(f"{field}: {e}") from None
     return req
 
 

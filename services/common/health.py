@@ -3,11 +3,13 @@
 A predicate returns None while its deployment can serve, else one line saying why not. The Target's is
 `TargetServer.health` (its scheduler thread alive and stepping), the Draft's is `DraftStreamServer.health` (its
 speculation stream server up). Serve's `check_health` raises on it (Serve then replaces the replica), the standard
-gRPC health service answers SERVING / NOT_SERVING from it, and the Target's `GET /health` answers 200 / 503.
+gRPC health service answers SERVING / NOT_SERVING from it (Check, List, and Watch, which streams each change), and
+the Target's `GET /health` answers 200 / 503.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -36,6 +38,29 @@ def check_response(predicate: HealthPredicate, service: str, known: tuple[str, .
     serving = predicate() is None
     return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING if serving
                                           else health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+def list_response(predicate: HealthPredicate, known: tuple[str, ...]) -> health_pb2.HealthListResponse:
+    """grpc.health.v1 List: every service this server has, with its status (one predicate: all alike)."""
+    return health_pb2.HealthListResponse(statuses={service: check_response(predicate, service, known)
+                                                   for service in known})
+
+
+async def watch_responses(predicate: HealthPredicate, service: str, known: tuple[str, ...],
+                          ending: Callable[[], bool], every_s: float = 1.0
+                          ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+    """grpc.health.v1 Watch: the status now, then each change (the predicate read every `every_s`). An unknown
+    service gets SERVICE_UNKNOWN and the stream stays open, as the protocol asks; it ends once `ending()` (the
+    replica is going away: the client then watches another)."""
+    last = None
+    while True:
+        status = check_response(predicate, service, known).status
+        if status != last:
+            yield health_pb2.HealthCheckResponse(status=status)
+            last = status
+        if ending():
+            return
+        await asyncio.sleep(every_s)
 
 
 class PredicateHealthServicer(health.HealthServicer):

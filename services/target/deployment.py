@@ -15,7 +15,7 @@ from collections.abc import Callable
 import ray
 from ray import serve
 
-from evospec.services.common.health import check_response, raise_if_unhealthy
+from evospec.services.common.health import check_response, list_response, raise_if_unhealthy, watch_responses
 from evospec.services.common.logs import log_to_serve
 from evospec.services.common.metrics import HttpMetrics, ServiceMetrics
 from evospec.services.config import DraftLinkConfig, TargetServiceConfig
@@ -93,6 +93,16 @@ class TargetDeployment:
     async def Check(self, request, grpc_context=None):
         """grpc.health.v1.Health/Check, routed here by Serve's gRPC proxy: the deployment's one predicate."""
         return check_response(self.server.health, request.service, HEALTH_SERVICES, grpc_context)
+
+    async def Watch(self, request, grpc_context=None):
+        """grpc.health.v1.Health/Watch (load balancers use it): the status now, then each change."""
+        async for response in watch_responses(self.server.health, request.service, HEALTH_SERVICES,
+                                              ending=lambda: not self.server.scheduler.running):
+            yield response
+
+    async def List(self, request, grpc_context=None):
+        """grpc.health.v1.Health/List: every service this server answers health for, with its status."""
+        return list_response(self.server.health, HEALTH_SERVICES)
 
     def check_health(self) -> None:
         """Serve's health check (every replica.health_check_period_s): a replica whose scheduler thread died or

@@ -62,7 +62,7 @@ def info_to_proto(info: ServerInfo) -> pb.InfoResponse:
 def checked_message(request, expected: type):
     """The parsed request, or INVALID_ARGUMENT for what the proxy could not parse (ingress.UndecodableRequest)."""
     if isinstance(request, UndecodableRequest):
-        raise InvalidRequestError("request", request.reason)
+        raise InvalidRequestError(request.field, request.reason)
     if not isinstance(request, expected):
         raise InvalidRequestError("request", f"must be an {expected.DESCRIPTOR.full_name}")
     return request

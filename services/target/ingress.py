@@ -20,11 +20,18 @@ deserializer that returns an `UndecodableRequest` (also for requests over `max_r
 gRPC front answers with INVALID_ARGUMENT. For that, `install_error_policy` must come first among the servicer
 functions.
 
+While no Target replica runs (a restart), a new request fails after `no_replica_wait_s()` with UNAVAILABLE "target
+restarting, retry" instead of waiting out its deadline (`_fail_fast_without_replicas`).
+
+And it answers Serve's own gRPC API (`ray.serve.RayServeAPIService`: ListApplications, Healthz) with
+UNIMPLEMENTED on the public port, unless EVOSPEC_EXPOSE_SERVE_API=1 (`_hide_serve_api`).
+
 If a Ray upgrade renames what it wraps, the policy logs a warning and leaves Serve's behaviour alone
 (tests/e2e/test_chaos.py fails then).
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -39,6 +46,8 @@ log = logging.getLogger("ray.serve")
 TARGET_RESTARTING = "target restarting, retry"
 PUBLIC_SERVICE = "evospec.v1.Generate"
 MAX_REQUEST_BYTES_ENV = "EVOSPEC_MAX_REQUEST_BYTES"
+EXPOSE_SERVE_API_ENV = "EVOSPEC_EXPOSE_SERVE_API"
+NO_REPLICA_WAIT_ENV, DEFAULT_NO_REPLICA_WAIT_S = "EVOSPEC_NO_REPLICA_WAIT_S", 0.5
 TLS_CERT_ENV, TLS_KEY_ENV, TLS_PORT_ENV = "EVOSPEC_TLS_CERT", "EVOSPEC_TLS_KEY", "EVOSPEC_TLS_PORT"
 DEFAULT_TLS_PORT = 9443
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # above any prompt that fits a 32k context (32768 x 256 bytes per token, 8 MiB)
@@ -51,20 +60,78 @@ def max_request_bytes() -> int:
 
 @dataclass(frozen=True)
 class UndecodableRequest:
-    """Stands in for a request the proxy could not (or would not) parse; the front answers INVALID_ARGUMENT."""
+    """Stands in for a request the proxy could not (or would not) parse; the front answers INVALID_ARGUMENT naming
+    `field` (the whole request when no one field is to blame)."""
     reason: str
+    field: str = "request"
 
 
 def tolerant(deserialize, limit: int):
-    """A request deserializer that never raises: too large or malformed input becomes an UndecodableRequest."""
+    """A request deserializer that never raises: too large or malformed input becomes an UndecodableRequest; a
+    string field that is not UTF-8 is named (`chat.messages[1].content`)."""
+    descriptor = getattr(getattr(deserialize, "__self__", None), "DESCRIPTOR", None)  # Message.FromString's class
+
     def parse(data: bytes):
         if len(data) > limit:
             return UndecodableRequest(f"is {len(data)} bytes; this service accepts at most {limit}")
         try:
             return deserialize(data)
         except Exception:  # noqa: BLE001 - protobuf's DecodeError and friends
-            return UndecodableRequest("is not a valid evospec.v1 message (string fields must be UTF-8)")
+            field = non_utf8_field(data, descriptor) if descriptor is not None else None
+            if field is not None:
+                return UndecodableRequest("is not valid UTF-8 (every string field must be)", field)
+            return UndecodableRequest("is not a valid evospec.v1 message")
     return parse
+
+
+def non_utf8_field(data: bytes, descriptor, prefix: str = "") -> str | None:
+    """The path of the first string field in protobuf wire bytes `data` (a message of `descriptor`) whose bytes
+    are not UTF-8 (repeated fields indexed: `chat.messages[1].content`), else None (also for bytes that are not a
+    message at all: the caller then blames the whole request)."""
+    seen: dict[int, int] = {}
+    pos = 0
+    try:
+        while pos < len(data):
+            key, pos = _varint(data, pos)
+            number, wire = key >> 3, key & 7
+            if wire == 0:
+                _, pos = _varint(data, pos)
+            elif wire in (1, 5):
+                pos += 8 if wire == 1 else 4
+            elif wire == 2:
+                length, pos = _varint(data, pos)
+                chunk, pos = data[pos:pos + length], pos + length
+                field = descriptor.fields_by_number.get(number)
+                if field is None:
+                    continue
+                index = seen[number] = seen.get(number, -1) + 1
+                name = prefix + field.name + (f"[{index}]" if field.is_repeated else "")
+                if field.type == field.TYPE_STRING:
+                    try:
+                        chunk.decode("utf-8")
+                    except UnicodeDecodeError:
+                        return name
+                elif field.type == field.TYPE_MESSAGE:
+                    if (found := non_utf8_field(chunk, field.message_type, name + ".")) is not None:
+                        return found
+            else:
+                return None
+    except IndexError:
+        return None
+    return None
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        byte = data[pos]
+        value |= (byte & 0x7F) << shift
+        pos += 1
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise IndexError("varint too long")
 
 
 def public_status(exc: BaseException, status, request_id: str):
@@ -87,6 +154,8 @@ def install_error_policy(servicer, server) -> None:
     evospec.v1 methods registered after it with `tolerant`."""
     _install_tolerant_parsing(server)
     _install_tls(server)
+    _hide_serve_api()
+    _fail_fast_without_replicas()
     try:
         from ray.serve._private import proxy
         original = proxy.get_grpc_response_status
@@ -117,6 +186,71 @@ def _install_tolerant_parsing(server) -> None:
         return handler
     tolerant_override.evospec_policy = True
     server._override_method_handler = tolerant_override
+
+
+def _hide_serve_api() -> None:
+    """Serve's own gRPC API (`ray.serve.RayServeAPIService`: ListApplications names every application, Healthz)
+    answers on the public port to anyone; Serve registers it before any servicer function and has no option to
+    leave it out. Its two answers are replaced by UNIMPLEMENTED, as for any method the server lacks, unless the
+    operator opts in with EVOSPEC_EXPOSE_SERVE_API=1. Health is `grpc.health.v1.Health` (Check, Watch, List)."""
+    if os.environ.get(EXPOSE_SERVE_API_ENV) == "1":
+        return
+    try:
+        from ray.serve._private.proxy import gRPCProxy
+        from ray.serve._private.proxy_request_response import ResponseStatus
+    except ImportError as exc:
+        log.warning("evospec: cannot hide Serve's gRPC API on this Ray version: %s", exc)
+        return
+    if getattr(gRPCProxy.routes_response, "evospec_policy", False):
+        return
+
+    async def unimplemented(self, *, healthy: bool, message: str):
+        yield ResponseStatus(code=grpc.StatusCode.UNIMPLEMENTED, message="Method not found!", is_error=True)
+    unimplemented.evospec_policy = True
+    gRPCProxy.routes_response = gRPCProxy.health_response = unimplemented
+
+
+def no_replica_wait_s() -> float:
+    """How long a new request waits in the proxy for a Target replica when none is running (a restart)."""
+    return float(os.environ.get(NO_REPLICA_WAIT_ENV, DEFAULT_NO_REPLICA_WAIT_S))
+
+
+def _fail_fast_without_replicas() -> None:
+    """While no Target replica runs (one died and Serve is starting another, 15-20 s on a CPU), Serve's router
+    holds every new request until one does, so clients wait out their deadline and the SDK's retry never fires.
+    In the proxy, a request that finds no replica waits `no_replica_wait_s()` for one, then fails with
+    UNAVAILABLE "target restarting, retry" (HTTP 503): the SDK retries it with backoff, a load balancer tries
+    another proxy."""
+    try:
+        from ray.serve._private.request_router.request_router import RequestRouter
+        from ray.serve.exceptions import DeploymentUnavailableError
+    except ImportError as exc:
+        log.warning("evospec: cannot make the proxy fail fast without replicas on this Ray version: %s", exc)
+        return
+    original = RequestRouter._choose_replicas_with_backoff
+    if getattr(original, "evospec_policy", False):
+        return
+
+    class TargetRestarting(DeploymentUnavailableError):
+        @property
+        def message(self) -> str:
+            return TARGET_RESTARTING
+
+    async def choose_or_fail(self, pending_request=None):
+        if not self._replicas and pending_request is not None:
+            self._replicas_updated_event.clear()
+            try:
+                await asyncio.wait_for(self._replicas_updated_event.wait(), no_replica_wait_s())
+            except TimeoutError:
+                pass
+            if not self._replicas:
+                if not pending_request.future.done():
+                    pending_request.future.set_exception(TargetRestarting(self._deployment_id))
+                return
+        async for candidates in original(self, pending_request):
+            yield candidates
+    choose_or_fail.evospec_policy = True
+    RequestRouter._choose_replicas_with_backoff = choose_or_fail
 
 
 def _install_tls(server) -> None:

@@ -18,7 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from evospec.config import SPEC_OPTIONS, SamplingParams, SpecParams, spec_field, spec_with, validated
+from evospec.config import SEED_SPACE, SPEC_OPTIONS, SamplingParams, SpecParams, spec_field, spec_with, validated
 from evospec.errors import (
     EngineStoppedError,
     InvalidRequestError,
@@ -38,6 +38,7 @@ from evospec.services.common.metrics import HttpMetrics
 from evospec.services.config import PublicApiConfig
 from evospec.services.target.ingress import max_request_bytes
 from evospec.services.target.server import (
+    CHAT_ROLES,
     ChatMessage,
     FinishedEvent,
     GenerateRequest,
@@ -52,69 +53,113 @@ OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request names none (
 CHAT_ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
 
 
+UINT32_MAX = 2**32 - 1  # the gRPC API's integer width (evospec.v1): an HTTP integer beyond it is refused, not cut
+Uint32 = Annotated[int, Field(ge=0, le=UINT32_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
+# Scalars are strict, declared once here for both routes: "4" is not 4, true is not 1, "yes" is not a boolean (an
+# integer is a number, as JSON has it). A value of the wrong JSON type is a 400 naming it, never a guess.
+STRICT = ConfigDict(extra="ignore", strict=True)
+
+
 def speculation_options_model() -> type[BaseModel]:
     """The body extension `speculation`: every flat speculation option (evospec.config.SPEC_OPTIONS) with its typed
     annotation, optional; unset = the service default. Built from the typed config, so a new option needs no line
-    here."""
-    fields = {option: (spec_field(option).annotation | None, None) for option in SPEC_OPTIONS}
-    return create_model("SpeculationOptions", __config__=ConfigDict(extra="forbid"), **fields)
+    here. Integers are bounded by the gRPC API's width; SpecParams checks the rest."""
+    def annotation(option: str):
+        declared = spec_field(option).annotation
+        return Uint32 if declared is int else declared
+    fields = {option: (annotation(option) | None, None) for option in SPEC_OPTIONS}
+    return create_model("SpeculationOptions", __config__=ConfigDict(extra="forbid", strict=True), **fields)
 
 
 SpeculationOptions = speculation_options_model()
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     include_usage: bool = False
 
 
 class _CommonRequest(BaseModel):
-    """What both endpoints accept. Unknown fields are ignored; the unsupported ones below must keep their
-    neutral value (checked by `refuse_unsupported`)."""
-    model_config = ConfigDict(extra="ignore")
+    """What both endpoints accept, with one rule list (`refuse_unsupported`): unknown fields are ignored (as OpenAI
+    and vLLM do); the parameters below that we cannot honour must keep their neutral value, on either route."""
+    model_config = STRICT
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None  # vLLM's extension
-    seed: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=UINT32_MAX)  # vLLM's extension; -1 = off, as in vLLM
+    seed: int | None = Field(None, ge=0, lt=SEED_SPACE)
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False  # null = false (some clients send every field)
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # vLLM's extension (load tools send it)
+    ignore_eos: bool | None = False  # vLLM's extension (load tools send it)
     speculation: SpeculationOptions | None = None  # type: ignore[valid-type]
-    # Supported only at their neutral value:
+    # Supported only at their neutral value (refuse_unsupported), on both routes:
     n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
+    logprobs: bool | int | None = None  # chat: a boolean; completions: how many
+    top_logprobs: int | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
+    echo: bool | None = False
+    suffix: str | None = None
 
 
 class ChatRequest(_CommonRequest):
     messages: list[dict[str, Any]]
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list | None = None
-    response_format: dict | None = None
+    max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
 
 
 class CompletionRequest(_CommonRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+
+
+def first_unencodable(value: Any, path: str = "body") -> str | None:
+    """The path (`messages[0].content`) of the first string in a parsed JSON value that is not valid Unicode text
+    (a lone surrogate such as "\\ud800", which JSON can spell but UTF-8 cannot encode), else None. A key that is
+    not valid text is reported as its object's path (the key itself could not be written into the error)."""
+    if isinstance(value, str):
+        return None if _encodable(value) else path
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not _encodable(key):
+                return path
+            if found := first_unencodable(item, key if path == "body" else f"{path}.{key}"):
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if found := first_unencodable(item, f"{path}[{i}]"):
+                return found
+    return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
 
 
 def parse_body(data: bytes, model: type[BaseModel]) -> BaseModel:
     """A JSON object as `model`; InvalidRequestError naming the field otherwise."""
     try:
-        raw = json.loads(data)
+        raw = json.loads(data, parse_constant=_no_constant)  # NaN, Infinity: Python's extension, not JSON
     except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError; RecursionError: absurdly deep nesting
-        raise InvalidRequestError("body", "is not valid JSON") from None
+        raise InvalidRequestError("body", "is not valid JSON (UTF-8, no NaN or Infinity)") from None
     if not isinstance(raw, dict):
         raise InvalidRequestError("body", "must be a JSON object")
+    if (where := first_unencodable(raw)) is not None:
+        raise InvalidRequestError(where, "holds an unpaired UTF-16 surrogate: not valid Unicode text")
     return validated(model, **raw)
 
 
@@ -132,15 +177,16 @@ def openai_param(field: str) -> str:
 
 
 def refuse_unsupported(body: _CommonRequest) -> None:
-    """InvalidRequestError for every parameter we would otherwise have to ignore."""
+    """InvalidRequestError for every parameter we would otherwise have to ignore (both routes: one list)."""
     neutral = {"n": (None, 1), "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
                "logit_bias": (None, {}), "best_of": (None, 1), "logprobs": (None, False, 0), "top_logprobs": (None, 0),
-               "tools": (None, []), "echo": (False,), "suffix": (None,)}
+               "tools": (None, []), "tool_choice": (None, "none"), "echo": (None, False), "suffix": (None,)}
     why = {"n": "only n = 1 is supported: send n requests", "logprobs": "log-probabilities are not supported",
-           "top_logprobs": "log-probabilities are not supported", "tools": "tool calls are not supported"}
+           "top_logprobs": "log-probabilities are not supported", "tools": "tool calls are not supported",
+           "tool_choice": "tool calls are not supported"}
     for name, values in neutral.items():
-        value = getattr(body, name, values[0])  # a field the endpoint does not have is neutral
-        if value not in values:
+        value = getattr(body, name)
+        if value not in values:  # strict types: no true among the integers, no 1 among the booleans
             raise InvalidRequestError(name, why.get(name, f"is not supported; leave it unset (got {value!r})"))
     fmt = getattr(body, "response_format", None)
     if fmt not in (None, {"type": "text"}):
@@ -151,8 +197,13 @@ def chat_messages(raw: list[dict[str, Any]]) -> list[ChatMessage]:
     """OpenAI messages -> ours: content is a string or a list of text parts; 'developer' is the system role."""
     messages = []
     for i, m in enumerate(raw):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise InvalidRequestError(f"messages[{i}].role", "is required (system, user or assistant)")
+        if not isinstance(m, dict):
+            raise InvalidRequestError(f"messages[{i}]", "must be an object with a role and a content")
+        role = m.get("role")
+        role = CHAT_ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
+        if role not in CHAT_ROLES:
+            raise InvalidRequestError(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)} "
+                                                             f"(or developer); got {m.get('role')!r:.50}")
         content = m.get("content")
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -161,7 +212,7 @@ def chat_messages(raw: list[dict[str, Any]]) -> list[ChatMessage]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise InvalidRequestError(f"messages[{i}].content", "must be a string or a list of text parts")
-        messages.append(ChatMessage(CHAT_ROLE_ALIASES.get(m["role"], m["role"]), content))
+        messages.append(ChatMessage(role, content))
     return messages
 
 
@@ -262,8 +313,10 @@ class OpenAIFront:
                                       f"{self.server.decoder.max_model_len}: shorten it")
         values = {"max_tokens": max_tokens or min(self.public.default_max_tokens, room),
                   "temperature": OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
-                  "ignore_eos": body.ignore_eos}
+                  "ignore_eos": bool(body.ignore_eos)}
         values |= {k: v for k in ("top_p", "top_k", "seed") if (v := getattr(body, k)) is not None}
+        if values.get("top_k") == -1:
+            values["top_k"] = 0  # vLLM's "off"
         sampling = validated(SamplingParams, **values)
         if sampling.max_tokens > room:
             raise InvalidRequestError("max_tokens", f"is {sampling.max_tokens}, but the prompt's {len(prompt_ids)} "

@@ -38,7 +38,8 @@ def test_malformed_bytes_through_the_proxy_are_invalid_argument(service, client,
     limits = limits_of(client.info())
     with grpc.insecure_channel(service[0]) as channel:
         for stream in (False, True):
-            outcome = send(channel, Case(name, RAW[name](random.Random(1), limits), "request"), METADATA, 60, stream)
+            build, field = RAW[name]
+            outcome = send(channel, Case(name, build(random.Random(1), limits), field), METADATA, 60, stream)
             assert outcome.ok, (outcome.code, outcome.details)
 
 
@@ -67,3 +68,32 @@ def test_tls_port_serves_the_same_api(service, tls_files):
     with EvoSpecClient(f"127.0.0.1:{tls_files['port']}", tls_root_cert=root, timeout=60) as tls_client:
         out = tls_client.generate(prompt="Hello", max_tokens=4, method="ar")
     assert len(out.token_ids) == 4
+
+
+def test_health_watch_and_list_answer_on_the_public_port(service):
+    """grpc.health.v1 Watch streams the status (SERVING now), List names every service; load balancers use both."""
+    with grpc.insecure_channel(service[0]) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        watch = stub.Watch(health_pb2.HealthCheckRequest(service="evospec.v1.Generate"), timeout=10,
+                           metadata=METADATA)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
+        unknown = stub.Watch(health_pb2.HealthCheckRequest(service="nope"), timeout=10, metadata=METADATA)
+        assert next(unknown).status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+        unknown.cancel()
+        listed = stub.List(health_pb2.HealthListRequest(), timeout=10, metadata=METADATA)
+        assert {name: s.status for name, s in listed.statuses.items()} == {
+            "": health_pb2.HealthCheckResponse.SERVING, "evospec.v1.Generate": health_pb2.HealthCheckResponse.SERVING}
+
+
+@pytest.mark.parametrize("method", ["ListApplications", "Healthz"])
+def test_serve_own_grpc_api_is_not_on_the_public_port(service, method):
+    """Serve's RayServeAPIService (application names, its own health) is UNIMPLEMENTED to clients, with or without
+    the application metadata (EVOSPEC_EXPOSE_SERVE_API=1 would opt in)."""
+    with grpc.insecure_channel(service[0]) as channel:
+        call = channel.unary_unary(f"/ray.serve.RayServeAPIService/{method}", request_serializer=lambda b: b,
+                                   response_deserializer=lambda b: b)
+        for metadata in ((), METADATA):
+            with pytest.raises(grpc.RpcError) as err:
+                call(b"", timeout=10, metadata=metadata)
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED, err.value.details()

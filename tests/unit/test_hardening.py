@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from evospec.config import SchedulerConfig
 from evospec.errors import UnauthenticatedError
-from evospec.orchestration.fuzz import INVALID, Case, Limits, Outcome, finish_reason, make_case
+from evospec.orchestration.fuzz import INVALID, RAW, Case, Limits, Outcome, finish_reason, make_case
 from evospec.services.config import InternalStreamConfig, TargetServiceConfig
 from evospec.services.draft.server import DraftServer, Op
 from evospec.services.draft.servicer import DraftServicer, start_draft_server
@@ -106,12 +106,15 @@ def test_every_invalid_mutation_is_refused_naming_its_field(service, name):
     assert front.server.num_sessions() == 0
 
 
-@pytest.mark.parametrize("name", ["invalid_utf8", "truncated"])
-def test_undecodable_bytes_are_invalid_argument(service, name):
-    from evospec.orchestration.fuzz import RAW
+@pytest.mark.parametrize("name", sorted(RAW))
+def test_undecodable_bytes_are_invalid_argument_naming_the_field(service, name):
+    """Bytes that are not UTF-8 in any string field are INVALID_ARGUMENT naming that field (its index too); bytes
+    that are no message at all name the request."""
     front, _, _, limits = service
-    outcome = call(front, Case(name, RAW[name](random.Random(0), limits), "request"))
+    build, field = RAW[name]
+    outcome = call(front, Case(name, build(random.Random(0), limits), field))
     assert outcome.ok, (outcome.code, outcome.details)
+    assert outcome.details.startswith(f"{field}:"), outcome.details
 
 
 def test_public_bearer_tokens(service, monkeypatch):

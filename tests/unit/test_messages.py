@@ -123,6 +123,12 @@ def test_the_sdk_names_the_field_of_a_value_the_wire_cannot_hold():
                            ({"method": "medusa"}, "spec.method"), ({"depth": -1}, "spec.tree.depth")]:
         with pytest.raises(sdk.InvalidArgument, match=field):
             sdk.build_request("hi", **options)
+    for inputs, field in [({"prompt_token_ids": [1, -1]}, "prompt_token_ids"),
+                          ({"prompt_token_ids": [2**32]}, "prompt_token_ids"), ({"prompt": 5}, "prompt"),
+                          ({"messages": [{"role": "user", "text": "hi"}]}, "chat"),
+                          ({"messages": [{"role": "user", "content": 5}]}, "chat")]:
+        with pytest.raises(sdk.InvalidArgument, match=field):
+            sdk.build_request(**inputs)
     with pytest.raises(TypeError, match="unknown request option"):
         sdk.build_request("hi", temprature=0.5)
     request = sdk.build_request("hi", method="frspec", shape="tree", depth=3, retrieval=["target"], seed=2**64 - 1)

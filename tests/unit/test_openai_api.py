@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from evospec.config import SamplingParams, SchedulerConfig
 from evospec.errors import InvalidRequestError
+from evospec.orchestration.fuzz import HTTP_INVALID, HTTP_NOT_FOUND, HTTP_RAW, HTTP_ROUTES, HTTP_VALID, names_param
 from evospec.services.common.metrics import HttpMetrics
 from evospec.services.config import TargetServiceConfig
 from evospec.services.target.grpc_api import GrpcFront
@@ -173,7 +174,28 @@ def test_text_stream_holds_split_characters_and_stop_prefixes():
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10 ** 9}, 400, "max_tokens"),
-    ({"messages": [{"role": "tool", "content": "hi"}]}, 400, "messages"),
+    ({"messages": [{"role": "tool", "content": "hi"}]}, 400, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "ok"}, {"role": "robot", "content": "hi"}]}, 400, "messages[1].role"),
+    ({"messages": [{"role": ["user"], "content": "hi"}]}, 400, "messages[0].role"),
+    ({"messages": ["hi"]}, 400, "messages[0]"),
+    ({"messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 2}, 400, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b\udfff"]}, 400, "stop[1]"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "4"}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": True}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4.0}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "stream"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "0"}, 400, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "speculation": {"predraft": "yes"}}, 400,
+     "speculation.predraft"),
+    ({"messages": [{"role": "user", "content": "hi"}], "speculation": {"depth": 2 ** 32}}, 400, "speculation.depth"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_k": 2 ** 64}, 400, "top_k"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_k": -2}, 400, "top_k"),
+    ({"messages": [{"role": "user", "content": "hi"}], "seed": -5}, 400, "seed"),
+    ({"messages": [{"role": "user", "content": "hi"}], "seed": 2 ** 64}, 400, "seed"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a", 1]}, 400, "stop[1]"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": 1}}, 400,
+     "stream_options.include_usage"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, 400, "tool_choice"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "hi"}], "speculation": {"method": "eagle"}}, 400,
      "speculation.method"),
@@ -288,6 +310,14 @@ def test_generate_request_stop_is_validated(stack):
     ({"prompt": "hi", "stop": ["x"] * 17}, "stop"),
     ({"prompt": "hi", "best_of": 3}, "best_of"),
     ({"prompt": {"nested": None}}, "prompt"),
+    ({"prompt": "hi", "tools": [{"type": "function"}]}, "tools"),
+    ({"prompt": "hi", "top_logprobs": 2}, "top_logprobs"),
+    ({"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": [1, -1]}, "prompt"),
+    ({"prompt": [1, 2 ** 32]}, "prompt"),
+    ({"prompt": "\udc00"}, "prompt"),
+    ({"prompt": "hi", "max_tokens": "4"}, "max_tokens"),
+    ({"prompt": "hi", "echo": 1}, "echo"),
 ])
 def test_bad_completions_get_400_naming_the_parameter(stack, body, param):
     app, _ = stack
@@ -296,9 +326,42 @@ def test_bad_completions_get_400_naming_the_parameter(stack, body, param):
     assert r.json()["error"]["param"].startswith(param)
 
 
-SMALL = st.integers(-3, 6) | st.sampled_from([0, 10 ** 12, 2 ** 64])
+BASE_BODIES = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+               "/v1/completions": {"prompt": "hi", "max_tokens": 2}}
+
+
+@pytest.mark.parametrize("route", sorted(HTTP_ROUTES))
+@pytest.mark.parametrize("param, value", [(p, v) for p, values in HTTP_INVALID.items() for v in values],
+                         ids=lambda x: repr(x)[:24])
+def test_every_invalid_parameter_is_a_4xx_naming_it_on_both_routes(stack, route, param, value):
+    """The fuzz catalogue (orchestration/fuzz.py HTTP_INVALID), every entry on both routes."""
+    app, _ = stack
+    r = run(raw(app, "POST", route, {**BASE_BODIES[route], param: value}))
+    assert r.status_code == (404 if (param, value) in HTTP_NOT_FOUND else 400), r.text
+    assert names_param(r.json()["error"]["param"], param), r.text
+
+
+@pytest.mark.parametrize("route", sorted(HTTP_ROUTES))
+@pytest.mark.parametrize("param, value", [(p, v) for p, values in HTTP_VALID.items() for v in values],
+                         ids=lambda x: repr(x)[:24])
+def test_valid_edges_are_served_on_both_routes(stack, route, param, value):
+    app, _ = stack
+    r = run(raw(app, "POST", route, {**BASE_BODIES[route], param: value}))
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("name", sorted(HTTP_RAW))
+def test_bodies_that_are_not_json_objects_of_text_name_the_body(stack, name):
+    app, _ = stack
+    r = run(raw(app, "POST", "/v1/completions", content=HTTP_RAW[name]))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body", r.text
+
+
+SMALL = st.integers(-3, 6) | st.sampled_from([0, 2 ** 32 - 1, 2 ** 32, 2 ** 63, 10 ** 12, 2 ** 64])
+SURROGATES = st.sampled_from(["\ud800", "a\udfffb", "\udbff\udbff"])
+TEXT = st.text(max_size=12) | SURROGATES
 JSON = st.recursive(st.none() | st.booleans() | SMALL | st.floats(allow_nan=True, allow_infinity=True)
-                    | st.text(max_size=12), lambda inner: st.lists(inner, max_size=3)
+                    | TEXT, lambda inner: st.lists(inner, max_size=3)
                     | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=8)
 # Well-formed values (so that many cases reach a generation) or the edge of their range, plus one field replaced
 # by any JSON at all.
@@ -313,7 +376,7 @@ FIELDS = {"model": st.sampled_from([MODEL, MODEL, "gpt-4"]), "max_tokens": TOKEN
               "method": st.sampled_from(["ar", "sd", "frspec", "evospec", "x"]), "dynamic_size": st.integers(0, 5000),
               "depth": st.integers(0, 6), "shape": st.sampled_from(["chain", "tree"])})}
 MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "user", "system", "assistant", "tool"]),
-                                           "content": st.text(max_size=30)}), max_size=3)
+                                           "content": st.text(max_size=30) | SURROGATES}), max_size=3)
 PROMPTS = st.text(max_size=30) | st.lists(st.integers(-1, 200), max_size=5)
 GARBAGE = st.none() | st.tuples(st.sampled_from([*FIELDS, "messages", "prompt"]), JSON)
 
