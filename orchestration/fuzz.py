@@ -203,7 +203,10 @@ INVALID: dict[str, tuple[Mutation, str]] = {
 
 
 MARK = "Zq7#Mk2!"  # 8 bytes no request holds by chance: the placeholder a raw case overwrites in place
-NOT_UTF8 = bytes([0xFF, 0xFE, 0xC3, 0x28, 0xA0, 0xA1, 0xE2, 0x28])  # as long as MARK: length prefixes stay right
+NOT_UTF8 = [bytes([0xFF, 0xFE, 0xC3, 0x28, 0xA0, 0xA1, 0xE2, 0x28]),  # as long as MARK: length prefixes stay right
+            b"ab\xed\xa0\x80cde",  # a UTF-16 surrogate (U+D800) written as UTF-8: what a lone surrogate becomes
+            b"\xc0\xafabcdef",  # an overlong "/"
+            b"abcdefg\xe2"]  # cut inside a character
 
 
 def _non_utf8(place: Callable[[pb.GenerateRequest, str], None]) -> Callable[[random.Random, Limits], bytes]:
@@ -212,7 +215,7 @@ def _non_utf8(place: Callable[[pb.GenerateRequest, str], None]) -> Callable[[ran
     def build(rng: random.Random, limits: Limits) -> bytes:
         req = base_request(rng, limits)
         place(req, MARK)
-        return req.SerializeToString().replace(MARK.encode(), NOT_UTF8)
+        return req.SerializeToString().replace(MARK.encode(), rng.choice(NOT_UTF8))
     return build
 
 
