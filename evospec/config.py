@@ -249,9 +249,12 @@ def validated(model: type[M], /, **values) -> M:
     try:
         return model(**values)
     except ValidationError as e:
-        err = e.errors()[0]
-        # A union's error names the member type it tried (`stop.str`, `prompt.list[int].0`): keep the field path.
-        path = [p for p in err["loc"] if not (isinstance(p, str) and (p in UNION_MEMBER_TAGS or "[" in p))]
+        def path_of(err) -> list:  # a union's error names the member type it tried (`stop.str`): keep the field path
+            return [p for p in err["loc"] if not (isinstance(p, str) and (p in UNION_MEMBER_TAGS or "[" in p))]
+        # The deepest error names the exact element: of `stop: str | list[str]` given ["a", 2], `stop[1]` (the
+        # list member's complaint), not `stop` (the str member's).
+        err = max(e.errors(), key=lambda err: len(path_of(err)))
+        path = path_of(err)
         field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".") or model.__name__
         got = repr(err.get("input"))
         got = got if len(got) <= 200 else got[:200] + "..."  # never echo a huge input back
@@ -314,6 +317,7 @@ def spec_with(defaults: SpecParams, options: dict[str, object], name_of=lambda o
     try:
         return validated(SpecParams, **values)
     except InvalidRequestError as e:
-        parts = e.field.split(".")  # e.g. tree.depth, vocab.retrieval.0, method
-        option = parts[1] if parts[0] in SPEC_PARTS and len(parts) > 1 else parts[0]
-        raise InvalidRequestError(name_of(option if option in SPEC_OPTIONS else e.field), e.message) from None
+        parts = e.field.split(".")  # e.g. tree.depth, vocab.retrieval[0], method
+        option, bracket, index = (parts[1] if parts[0] in SPEC_PARTS and len(parts) > 1 else parts[0]).partition("[")
+        name = name_of(option) + bracket + index if option in SPEC_OPTIONS else e.field
+        raise InvalidRequestError(name, e.message) from None

@@ -397,7 +397,7 @@ HTTP_VALID: dict[str, list] = {
     "response_format": [{"type": "text"}], "echo": [False], "unknown_field": ["\u00e9", 5],
     "speculation": [{"method": "ar"}, {"method": "evospec", "depth": 2}], "stop": [["\n\n"]],
 }
-HTTP_NOT_FOUND = {("model", "gpt-4")}  # refused with 404 model_not_found (it names `model` too)
+HTTP_NOT_FOUND = [("model", "gpt-4")]  # refused with 404 model_not_found (it names `model` too)
 HTTP_ROUTES = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 HTTP_RAW = {"not_json": b"{not json", "nan": b'{"prompt": "hi", "temperature": NaN}',
             "infinity": b'{"prompt": "hi", "top_p": Infinity}', "not_utf8": b'{"prompt": "\xff\xfe"}',

@@ -110,7 +110,7 @@ def test_clients_built_before_the_enums_still_work():
     (pb.SpecParams(tree=pb.TreeParams(shape=9)), "spec.tree.shape"),
     (pb.SpecParams(tree=pb.TreeParams(depth=0)), "spec.tree.depth"),
     (pb.SpecParams(dynamic_size=10**6), "spec.dynamic_size"),
-    (pb.SpecParams(retrieval=["magic"]), "spec.retrieval"),
+    (pb.SpecParams(retrieval=["target", "magic"]), "spec.retrieval[1]"),
 ])
 def test_bad_values_name_the_proto_field(request_spec, field):
     with pytest.raises(InvalidRequestError) as err:
