@@ -288,6 +288,8 @@ class Scheduler:
             if self.drafter is not None:
                 self._resume_drafts()
         if not self._running:
+            if self.drafter is not None:
+                self._flush_drafter()  # the closes of requests just dropped: an idle scheduler has no next step
             return
         with profile.span("plan"):
             prefills = self._plan_prefill()

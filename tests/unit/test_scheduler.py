@@ -489,6 +489,41 @@ class FailingDrafter:
         return self.inner.propose(requests, prefills)
 
 
+class QueuedCloseDrafter:
+    """Wraps the in-process batch drafter with a remote drafter's contract: `close` is queued and delivered by the
+    next `flush` (the end of an engine step)."""
+
+    def __init__(self, inner):
+        self.inner, self.queued = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def close(self, key):
+        self.queued.append(key)
+
+    def flush(self):
+        self.inner.flush()
+        for key in self.queued:
+            self.inner.close(key)
+        self.queued = []
+
+
+def test_an_idle_scheduler_still_delivers_the_close_of_a_cancelled_request(decoder):
+    """The last running request is cancelled: its draft session's close must reach the draft although no step
+    follows (the scheduler goes idle), not wait for the next request."""
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=1024, adaptive=False))
+    scheduler.drafter = QueuedCloseDrafter(scheduler.drafter)
+    handle = scheduler.submit([5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True),
+                              SpecParams(method="sd"), Collector())
+    for _ in range(3):
+        scheduler.step()
+    assert scheduler.drafter.inner.sessions
+    handle.cancel()
+    scheduler.step()
+    assert not scheduler.drafter.inner.sessions and not scheduler.drafter.queued
+
+
 def test_a_failing_draft_never_breaks_a_stream(decoder):
     """Lossless fallback: every generation completes from its committed state target-only, greedy output equal to
     the target's, and its statistics count the steps without the draft and say why."""
