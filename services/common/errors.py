@@ -8,13 +8,20 @@ import logging
 
 import grpc
 
-from evospec.errors import EngineStoppedError, InvalidRequestError, OverloadedError, UnauthenticatedError
+from evospec.errors import (
+    EngineStoppedError,
+    InvalidRequestError,
+    OverloadedError,
+    ShuttingDownError,
+    UnauthenticatedError,
+)
 
 log = logging.getLogger(__name__)
 INTERNAL_ERROR = "internal error (request "  # how every INTERNAL message starts (the proxy policy keeps ours)
 
 STATUS_OF = {InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
              UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
+             ShuttingDownError: grpc.StatusCode.UNAVAILABLE,  # before its base class: another replica can serve it
              OverloadedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
              EngineStoppedError: grpc.StatusCode.UNAVAILABLE,
              TimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED}

@@ -82,6 +82,8 @@ def test_status_codes_mapping():
     from evospec.services.common.errors import status_for
     assert status_for(InvalidRequestError("x", "y")) == grpc.StatusCode.INVALID_ARGUMENT
     assert status_for(OverloadedError("busy")) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    from evospec.errors import ShuttingDownError
+    assert status_for(ShuttingDownError("shutting down")) == grpc.StatusCode.UNAVAILABLE  # the SDK retries it
     assert status_for(TimeoutError()) == grpc.StatusCode.DEADLINE_EXCEEDED
     assert status_for(RuntimeError()) == grpc.StatusCode.INTERNAL
 
