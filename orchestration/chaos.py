@@ -248,23 +248,25 @@ def target_kill(client, app: str, streams: int, max_tokens: int) -> dict:
 
 def new_calls_until_answering(client, since: float, timeout_s: float) -> dict:
     """New calls after a target failure, one after another and each without the SDK's retry: seconds from `since`
-    until one succeeds, and how the failing ones ended (their codes; the slowest one's seconds: a restart must
+    until one succeeds (and how long that call took: held in the proxy until a replica came back, it would take
+    the restart's time), and how the failing ones ended (their codes; the slowest one's seconds: a restart must
     fail them fast, so the SDK's retry applies, never hold them to their deadline)."""
     from evospec_client import EvoSpecClient
     failures: list[tuple[str, float]] = []
-    answered = float("inf")
+    answered, answer_s = float("inf"), float("inf")
     with EvoSpecClient(client.address, retries=0) as probe:
         while time.monotonic() - since < timeout_s:
             start = time.monotonic()
             try:
                 probe.generate(PROMPTS[0], method="evospec", max_tokens=4, timeout=30)
-                answered = time.monotonic() - since
+                answered, answer_s = time.monotonic() - since, time.monotonic() - start
                 break
             except Exception as exc:  # noqa: BLE001 - not back yet: how did it end?
                 failures.append((getattr(getattr(exc, "code", None), "name", type(exc).__name__),
                                  time.monotonic() - start))
                 time.sleep(0.25)
-    return {"answers_again_after_s": round(answered, 2), "failed_new_calls": len(failures),
+    return {"answers_again_after_s": round(answered, 2), "answering_call_s": round(answer_s, 2),
+            "failed_new_calls": len(failures),
             "failed_new_call_codes": sorted({code for code, _ in failures}),
             "slowest_failed_new_call_s": round(max((s for _, s in failures), default=0.0), 2)}
 

@@ -20,9 +20,6 @@ deserializer that returns an `UndecodableRequest` (also for requests over `max_r
 gRPC front answers with INVALID_ARGUMENT. For that, `install_error_policy` must come first among the servicer
 functions.
 
-While no Target replica runs (a restart), a new request fails after `no_replica_wait_s()` with UNAVAILABLE "target
-restarting, retry" instead of waiting out its deadline (`_fail_fast_without_replicas`).
-
 And it answers Serve's own gRPC API (`ray.serve.RayServeAPIService`: ListApplications, Healthz) with
 UNIMPLEMENTED on the public port, unless EVOSPEC_EXPOSE_SERVE_API=1 (`_hide_serve_api`).
 
@@ -31,7 +28,6 @@ If a Ray upgrade renames what it wraps, the policy logs a warning and leaves Ser
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import os
@@ -47,7 +43,6 @@ TARGET_RESTARTING = "target restarting, retry"
 PUBLIC_SERVICE = "evospec.v1.Generate"
 MAX_REQUEST_BYTES_ENV = "EVOSPEC_MAX_REQUEST_BYTES"
 EXPOSE_SERVE_API_ENV = "EVOSPEC_EXPOSE_SERVE_API"
-NO_REPLICA_WAIT_ENV, DEFAULT_NO_REPLICA_WAIT_S = "EVOSPEC_NO_REPLICA_WAIT_S", 0.5
 TLS_CERT_ENV, TLS_KEY_ENV, TLS_PORT_ENV = "EVOSPEC_TLS_CERT", "EVOSPEC_TLS_KEY", "EVOSPEC_TLS_PORT"
 DEFAULT_TLS_PORT = 9443
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # above any prompt that fits a 32k context (32768 x 256 bytes per token, 8 MiB)
@@ -155,7 +150,6 @@ def install_error_policy(servicer, server) -> None:
     _install_tolerant_parsing(server)
     _install_tls(server)
     _hide_serve_api()
-    _fail_fast_without_replicas()
     try:
         from ray.serve._private import proxy
         original = proxy.get_grpc_response_status
@@ -208,49 +202,6 @@ def _hide_serve_api() -> None:
         yield ResponseStatus(code=grpc.StatusCode.UNIMPLEMENTED, message="Method not found!", is_error=True)
     unimplemented.evospec_policy = True
     gRPCProxy.routes_response = gRPCProxy.health_response = unimplemented
-
-
-def no_replica_wait_s() -> float:
-    """How long a new request waits in the proxy for a Target replica when none is running (a restart)."""
-    return float(os.environ.get(NO_REPLICA_WAIT_ENV, DEFAULT_NO_REPLICA_WAIT_S))
-
-
-def _fail_fast_without_replicas() -> None:
-    """While no Target replica runs (one died and Serve is starting another, 15-20 s on a CPU), Serve's router
-    holds every new request until one does, so clients wait out their deadline and the SDK's retry never fires.
-    In the proxy, a request that finds no replica waits `no_replica_wait_s()` for one, then fails with
-    UNAVAILABLE "target restarting, retry" (HTTP 503): the SDK retries it with backoff, a load balancer tries
-    another proxy."""
-    try:
-        from ray.serve._private.request_router.request_router import RequestRouter
-        from ray.serve.exceptions import DeploymentUnavailableError
-    except ImportError as exc:
-        log.warning("evospec: cannot make the proxy fail fast without replicas on this Ray version: %s", exc)
-        return
-    original = RequestRouter._choose_replicas_with_backoff
-    if getattr(original, "evospec_policy", False):
-        return
-
-    class TargetRestarting(DeploymentUnavailableError):
-        @property
-        def message(self) -> str:
-            return TARGET_RESTARTING
-
-    async def choose_or_fail(self, pending_request=None):
-        if not self._replicas and pending_request is not None:
-            self._replicas_updated_event.clear()
-            try:
-                await asyncio.wait_for(self._replicas_updated_event.wait(), no_replica_wait_s())
-            except TimeoutError:
-                pass
-            if not self._replicas:
-                if not pending_request.future.done():
-                    pending_request.future.set_exception(TargetRestarting(self._deployment_id))
-                return
-        async for candidates in original(self, pending_request):
-            yield candidates
-    choose_or_fail.evospec_policy = True
-    RequestRouter._choose_replicas_with_backoff = choose_or_fail
 
 
 def _install_tls(server) -> None:
