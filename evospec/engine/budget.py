@@ -21,6 +21,7 @@ import collections
 import copy
 import functools
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -437,21 +438,21 @@ class SpeculationBudget:
         typical = statistics.median(self._answer_lengths)
         return max(1, min(allowed, round(max(typical - generated, typical / 2))))
 
-    def catch_up(self, requests: list[tuple[TreeParams, Acceptance, tuple]], kind: tuple, remaining_tokens: int,
+    def catch_up(self, saved_per_token: Callable[[float | None], float], kind: tuple, remaining_tokens: int,
                  lag: int) -> CatchUp:
         """Whether a draft session of `kind` should prefill the `lag` context tokens it still lacks: it should when
-        the seconds speculation is expected to save over the request's `remaining_tokens` (in a batch of these
-        speculative requests, the request's own among them) exceed what the catch-up costs at the draft's measured
-        prefill rate. Until that rate is measured it should (the first catch-up measures it). While the kind has
-        fewer than `learn_trees` verified trees, its acceptance is taken to be `optimistic_acceptance` (a
-        pessimistic start would never draft, so never learn it); a batch in which even that would not pay, such as
-        a busy CPU, still defers."""
-        saved = remaining_tokens * self.seconds_saved_per_token(requests)
+        the seconds speculation is expected to save over the request's `remaining_tokens` exceed what the catch-up
+        costs at the draft's measured prefill rate. `saved_per_token(assumed_acceptance)` is
+        `seconds_saved_per_token` of the batch the request decodes in (its own among them), which the caller
+        computes once per step for all its catch-ups. Until the prefill rate is measured the catch-up runs (the
+        first one measures it). While the kind has fewer than `learn_trees` verified trees, its acceptance is taken
+        to be `optimistic_acceptance` (a pessimistic start would never draft, so never learn it); a batch in which
+        even that would not pay, such as a busy CPU, still defers."""
+        trees = self.acceptance.get(kind, Acceptance()).reached[:1]
+        learning = not trees or trees[0] < self.learn_trees
+        saved = remaining_tokens * saved_per_token(self.optimistic_acceptance if learning else None)
         if self._draft_prefill.steps == 0:
             return CatchUp(True, saved, 0.0, "the draft's prefill rate is not measured yet")
         cost = lag / max(self._draft_prefill.rate, 1e-9)
-        trees = self.acceptance.get(kind, Acceptance()).reached[:1]
-        if not trees or trees[0] < self.learn_trees:
-            saved = remaining_tokens * self.seconds_saved_per_token(requests, self.optimistic_acceptance)
-            return CatchUp(saved > cost, saved, cost, "its acceptance is not measured yet: assumed high")
-        return CatchUp(saved > cost, saved, cost, "")
+        why = "its acceptance is not measured yet: assumed high" if learning else ""
+        return CatchUp(saved > cost, saved, cost, why)

@@ -22,6 +22,7 @@ No Ray or gRPC here: fronts call `submit` from any thread and read events from t
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import threading
@@ -452,10 +453,11 @@ class Scheduler:
         if self.budget is None or not lagging:
             return lagging
         speculative = [(r.spec.tree, r.acceptance, r.kind) for r in decoding if r.lease.held]
+        saved_per_token = functools.cache(functools.partial(self.budget.seconds_saved_per_token, speculative))
         paying = []
         for request in lagging:
             remaining = self.budget.expected_remaining(len(request.output_ids), request.sampling.max_tokens)
-            decision = self.budget.catch_up(speculative, request.kind, remaining, request.lease.lag)
+            decision = self.budget.catch_up(saved_per_token, request.kind, remaining, request.lease.lag)
             if decision.pays != request.catch_up_pays:
                 log.info("request %s: the draft %s its %d-token catch-up (expected saving %.1f s over %d tokens, "
                          "cost %.1f s%s)", request.key[:8], "starts" if decision.pays else "defers",

@@ -1,5 +1,6 @@
 """Continuous batching against its oracle, the per-request loop: packed forwards, batched verification, the KV arena,
 and the scheduler with every method, tree shape, vocabulary and sampling setting mixed in one batch."""
+import functools
 import random
 
 import numpy as np
@@ -400,16 +401,17 @@ def test_a_catch_up_runs_only_where_it_pays(decoder):
         target_cost.calibrate(tokens, 0.01)
     draft_prior.calibrate([1.0, 1.0, 1.0, 1.0], 1e-6)
     budget = SpeculationBudget(target_cost, draft_prior)
-    assert budget.catch_up(requests, kind, remaining_tokens=2, lag=1000).pays  # unmeasured: the first one measures
+    per_token = functools.partial(budget.seconds_saved_per_token, requests)
+    assert budget.catch_up(per_token, kind, remaining_tokens=2, lag=1000).pays  # unmeasured: the first one measures
     budget.record_draft_prefill(100, 0.1)  # 1 ms per context token
-    assert budget.catch_up(requests, kind, remaining_tokens=1000, lag=100).pays  # acceptance unknown: assumed high
-    assert not budget.catch_up(requests, kind, remaining_tokens=2, lag=1000).pays  # ... and still too dear
+    assert budget.catch_up(per_token, kind, remaining_tokens=1000, lag=100).pays  # acceptance unknown: assumed high
+    assert not budget.catch_up(per_token, kind, remaining_tokens=2, lag=1000).pays  # ... and still too dear
     for _ in range(budget.learn_trees):
         budget.record_acceptance(kind, 4, 4)
     saved = budget.seconds_saved_per_token(requests)
     assert 0 < saved < 0.01
-    assert budget.catch_up(requests, kind, remaining_tokens=1000, lag=100).pays
-    decision = budget.catch_up(requests, kind, remaining_tokens=10, lag=1000)
+    assert budget.catch_up(per_token, kind, remaining_tokens=1000, lag=100).pays
+    decision = budget.catch_up(per_token, kind, remaining_tokens=10, lag=1000)
     assert not decision.pays and decision.cost == pytest.approx(1.0) and decision.saved < decision.cost
     assert budget.expected_remaining(generated=1, max_tokens=500) == 499  # no answer has ended yet
     for length in (2, 40, 40, 41):  # a 2-token warm-up among them changes nothing
