@@ -225,9 +225,10 @@ class TargetServer:
             return list(prompt.token_ids)
         if not prompt.messages:
             raise InvalidRequestError("chat.messages", "is empty")
-        bad = [m.role for m in prompt.messages if m.role not in CHAT_ROLES]
-        if bad:
-            raise InvalidRequestError("chat.messages.role", f"must be one of {', '.join(CHAT_ROLES)}; got {bad[0]!r}")
+        for i, message in enumerate(prompt.messages):
+            if message.role not in CHAT_ROLES:
+                raise InvalidRequestError(f"chat.messages[{i}].role",
+                                          f"must be one of {', '.join(CHAT_ROLES)}; got {message.role!r:.50}")
         messages = [{"role": m.role, "content": m.content} for m in prompt.messages]
         return chat_prompt_ids(self.tokenizer, messages, prompt.enable_thinking)
 
