@@ -20,6 +20,12 @@ deserializer that returns an `UndecodableRequest` (also for requests over `max_r
 gRPC front answers with INVALID_ARGUMENT. For that, `install_error_policy` must come first among the servicer
 functions.
 
+While no target replica runs (a restart after a kill, the ~20 s before a replacement is up), Serve's router holds a
+new call until one does, i.e. until the client's deadline: the SDK's retry never applies. `_fail_fast_without_replicas`
+makes the router give up on a call once it has seen no replica for `NO_REPLICA_GRACE_S`: gRPC UNAVAILABLE / HTTP 503
+"target restarting, retry". Calls queued behind busy replicas are untouched (the replicas exist). A deployment that
+scales to zero would need this off; ours never does (`num_replicas` >= 1).
+
 And it answers Serve's own gRPC API (`ray.serve.RayServeAPIService`: ListApplications, Healthz) with
 UNIMPLEMENTED on the public port, unless EVOSPEC_EXPOSE_SERVE_API=1 (`_hide_serve_api`).
 
@@ -28,9 +34,11 @@ If a Ray upgrade renames what it wraps, the policy logs a warning and leaves Ser
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -45,6 +53,8 @@ MAX_REQUEST_BYTES_ENV = "EVOSPEC_MAX_REQUEST_BYTES"
 EXPOSE_SERVE_API_ENV = "EVOSPEC_EXPOSE_SERVE_API"
 TLS_CERT_ENV, TLS_KEY_ENV, TLS_PORT_ENV = "EVOSPEC_TLS_CERT", "EVOSPEC_TLS_KEY", "EVOSPEC_TLS_PORT"
 DEFAULT_TLS_PORT = 9443
+NO_REPLICA_GRACE_S = 0.5  # a router with no replica this long fails its waiting calls (the goal: within 1 s)
+NO_REPLICA_POLL_S = 0.1
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # above any prompt that fits a 32k context (32768 x 256 bytes per token, 8 MiB)
 
 
@@ -150,6 +160,7 @@ def install_error_policy(servicer, server) -> None:
     _install_tolerant_parsing(server)
     _install_tls(server)
     _hide_serve_api()
+    _fail_fast_without_replicas()
     try:
         from ray.serve._private import proxy
         original = proxy.get_grpc_response_status
@@ -202,6 +213,62 @@ def _hide_serve_api() -> None:
         yield ResponseStatus(code=grpc.StatusCode.UNIMPLEMENTED, message="Method not found!", is_error=True)
     unimplemented.evospec_policy = True
     gRPCProxy.routes_response = gRPCProxy.health_response = unimplemented
+
+
+def _fail_fast_without_replicas() -> None:
+    """Wraps the proxy's router so a call waiting for a replica fails with UNAVAILABLE once the router has known no
+    replica for NO_REPLICA_GRACE_S (see the module's docstring). It wraps `AsyncioRouter.route_and_send_request`
+    (choose a replica, send): the request-router class itself reaches the proxy pickled by value from the
+    controller, so a patch of Serve's RequestRouter there would not apply."""
+    try:
+        from ray.serve._private.router import AsyncioRouter
+        from ray.serve.exceptions import DeploymentUnavailableError
+    except ImportError as exc:
+        log.warning("evospec: cannot fail calls fast during a restart on this Ray version: %s", exc)
+        return
+    original = AsyncioRouter.route_and_send_request
+    if getattr(original, "evospec_policy", False):
+        return
+
+    class TargetRestarting(DeploymentUnavailableError):
+        """Serve's proxies answer this error with gRPC UNAVAILABLE / HTTP 503 and its message."""
+        @property
+        def message(self) -> str:
+            return TARGET_RESTARTING
+
+    async def route_or_fail(self, pending_request, response_id):
+        routing = asyncio.ensure_future(original(self, pending_request, response_id))
+        try:
+            await until_done_or_no_replicas(routing, lambda: len(self._active_request_router.curr_replicas) == 0)
+        except asyncio.CancelledError:
+            routing.cancel()
+            raise
+        if not routing.done():
+            routing.cancel()
+            log.warning("evospec: no %s replica for %.1f s: a waiting call fails with UNAVAILABLE",
+                        self.deployment_id, NO_REPLICA_GRACE_S)
+            raise TargetRestarting(self.deployment_id)
+        return routing.result()
+    route_or_fail.evospec_policy = True
+    AsyncioRouter.route_and_send_request = route_or_fail
+    log.info("evospec: calls fail fast (UNAVAILABLE) once a router has had no replica for %.1f s",
+             NO_REPLICA_GRACE_S)
+
+
+async def until_done_or_no_replicas(task: asyncio.Future, has_no_replica, grace_s: float = NO_REPLICA_GRACE_S,
+                                    poll_s: float = NO_REPLICA_POLL_S) -> None:
+    """Returns when `task` is done, or once `has_no_replica()` has held for `grace_s` (the task still running)."""
+    empty_since = None
+    while True:
+        if has_no_replica():
+            empty_since = time.monotonic() if empty_since is None else empty_since
+            if time.monotonic() - empty_since >= grace_s:
+                return
+        else:
+            empty_since = None
+        done, _ = await asyncio.wait({task}, timeout=poll_s)
+        if done:
+            return
 
 
 def _install_tls(server) -> None:

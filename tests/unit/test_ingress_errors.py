@@ -1,13 +1,24 @@
 """What Serve's gRPC proxy tells a client when a target replica fails (services/target/ingress.py): a dead replica
 is UNAVAILABLE "target restarting, retry", an unmapped error is INTERNAL without internals, and statuses our front
 sets pass unchanged."""
+import asyncio
+import time
+import types
+
 import grpc
+import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 from ray.serve._private.grpc_util import get_grpc_response_status
-from ray.serve.exceptions import gRPCStatusError
+from ray.serve.exceptions import DeploymentUnavailableError, gRPCStatusError
 
 from evospec.errors import InvalidRequestError
-from evospec.services.target.ingress import TARGET_RESTARTING, install_error_policy, public_status
+from evospec.services.target.ingress import (
+    TARGET_RESTARTING,
+    _fail_fast_without_replicas,
+    install_error_policy,
+    public_status,
+    until_done_or_no_replicas,
+)
 
 INTERNALS = ("actor", "pid", "namespace", "Traceback", "ray::")
 
@@ -50,7 +61,8 @@ def test_an_internal_error_our_front_reported_keeps_the_id_of_our_log():
 
 def test_the_policy_installs_once_in_the_proxy_module():
     from ray.serve._private import proxy
-    original = proxy.get_grpc_response_status
+    from ray.serve._private.router import AsyncioRouter
+    original, route = proxy.get_grpc_response_status, AsyncioRouter.route_and_send_request
     try:
         install_error_policy(None, None)
         install_error_policy(None, None)
@@ -59,3 +71,56 @@ def test_the_policy_installs_once_in_the_proxy_module():
         assert patched(ActorDiedError(), None, "r").code == grpc.StatusCode.UNAVAILABLE
     finally:
         proxy.get_grpc_response_status = original
+        AsyncioRouter.route_and_send_request = route
+
+
+class FakeRouter:
+    """What the wrapped `route_and_send_request` reads of Serve's AsyncioRouter."""
+    def __init__(self, replicas):
+        self._active_request_router = types.SimpleNamespace(curr_replicas=replicas)
+        self.deployment_id = "Target"
+
+
+def router_that_waits(monkeypatch, wait_s: float):
+    """Serve's router with the fail-fast policy, over a stand-in for Serve's routing that takes `wait_s` (a replica
+    busy, or none coming back) and records whether it was cancelled."""
+    from ray.serve._private.router import AsyncioRouter
+    seen = {"cancelled": False}
+
+    async def route(self, pending_request, response_id):
+        try:
+            await asyncio.sleep(wait_s)
+        except asyncio.CancelledError:
+            seen["cancelled"] = True
+            raise
+        return "replica-1"
+    monkeypatch.setattr(AsyncioRouter, "route_and_send_request", route)
+    _fail_fast_without_replicas()
+    return AsyncioRouter.route_and_send_request, seen
+
+
+def test_a_call_without_any_replica_fails_unavailable_within_a_second(monkeypatch):
+    choose, seen = router_that_waits(monkeypatch, wait_s=30)
+    start = time.monotonic()
+    with pytest.raises(DeploymentUnavailableError) as failed:
+        asyncio.run(choose(FakeRouter({}), None, "id"))
+    assert time.monotonic() - start < 1.0
+    assert seen["cancelled"]  # Serve's choice is withdrawn: the call leaves its queue
+    status = status_for(failed.value)
+    assert (status.code, status.message) == (grpc.StatusCode.UNAVAILABLE, TARGET_RESTARTING)
+
+
+def test_a_call_queued_behind_busy_replicas_is_not_failed(monkeypatch):
+    choose, seen = router_that_waits(monkeypatch, wait_s=1.2)  # longer than the grace
+    assert asyncio.run(choose(FakeRouter({"r1": object()}), None, "id")) == "replica-1"
+    assert not seen["cancelled"]
+
+
+def test_a_replica_back_within_the_grace_takes_the_call():
+    async def scenario():
+        replicas: dict = {}
+        choosing = asyncio.ensure_future(asyncio.sleep(0.6, result="replica-2"))
+        asyncio.get_running_loop().call_later(0.3, replicas.update, {"r2": object()})
+        await until_done_or_no_replicas(choosing, lambda: not replicas, grace_s=0.5, poll_s=0.05)
+        return choosing.done() and choosing.result()
+    assert asyncio.run(scenario()) == "replica-2"
