@@ -108,6 +108,9 @@ def test_a_call_without_any_replica_fails_unavailable_within_a_second(monkeypatc
     assert seen["cancelled"]  # Serve's choice is withdrawn: the call leaves its queue
     status = status_for(failed.value)
     assert (status.code, status.message) == (grpc.StatusCode.UNAVAILABLE, TARGET_RESTARTING)
+    from ray.serve._private.http_util import get_http_response_status
+    http = get_http_response_status(failed.value, None, "req-1")
+    assert (http.code, http.message) == (503, TARGET_RESTARTING)  # what Serve's HTTP proxy answers
 
 
 def test_a_call_queued_behind_busy_replicas_is_not_failed(monkeypatch):
