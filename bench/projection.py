@@ -12,11 +12,20 @@ share of steps whose tree was pre-drafted; f: the forward a stopped pre-draft ma
 forward); tau: tokens committed per step. Throughput = tau / t (tokens per second at concurrency 1).
 
 `from_profile` reads the terms from a measured step profile (evospec/engine/profile.py), so the model can be checked
-against what `evospec bench decoupled` measured; docs/decoupled.md applies it to published H200 costs.
+against what `evospec bench decoupled` measured. `from_gpu_check` reads them from scripts/gpu_check.sh's JSON
+(forward costs and engine steps of the Qwen3-1.7B/4B shapes) and the real pair's measured τ per method, and gives the
+seed table's rows (AR, SD, FR-Spec 32k, EvoSpec 32k+256; co-located, decoupled, decoupled with overlap), saying which
+inputs were measured on a GPU. Without that JSON, `h200_projection` applies the model to published H200 costs
+(docs/decoupled.md).
+
+    python -m evospec.bench.projection [--gpu-check results/gpu/gpu_check.json]
 """
 from __future__ import annotations
 
+import argparse
+import json
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,111 @@ def h200_projection(hits: tuple[float, ...] = (0.5, 0.7), depths: tuple[int, ...
     return rows
 
 
-if __name__ == "__main__":
+# The real pair's τ per arm of results/bench_real_greedy (Qwen2.5-Coder 0.5B -> 1.5B, medical, greedy; chain of 4 and
+# tree depth 4 x branching 2, budget 8: the shapes scripts/gpu_check.sh times).
+REAL_PAIR_RESULTS = Path("results/bench_real_greedy/bench_real.json")
+ARMS = {("ar", "none"): "ar", ("sd", "chain"): "sd", ("sd", "tree"): "sd-tree", ("frspec", "chain"): "frspec-32k",
+        ("frspec", "tree"): "frspec-32k-tree", ("evospec", "chain"): "evospec-32k+256",
+        ("evospec", "tree"): "evospec-32k+256-tree"}
+CPU_TRANSPORT_MS = 0.4  # one internal round trip's codec and gRPC, measured on CPU (docs/decoupled.md)
+
+
+def measured_tau(path: Path = REAL_PAIR_RESULTS, cell: str = "medical/greedy") -> dict[str, float]:
+    """Median τ per arm of a `evospec bench real` run."""
+    arms = json.loads(path.read_text())["results"][cell]
+    return {arm: v["tau"]["median"] for arm, v in arms.items() if v.get("tau")}
+
+
+def interpolate(ms_by_size: dict, size: float) -> float:
+    """ms at `size` from a {size: ms} table (JSON keys are strings), linear between measured sizes."""
+    table = sorted((int(k), v) for k, v in ms_by_size.items())
+    if size <= table[0][0]:
+        return table[0][1]
+    for (a, ya), (b, yb) in zip(table, table[1:]):
+        if size <= b:
+            return ya + (yb - ya) * (size - a) / (b - a)
+    (a, ya), (b, yb) = table[-2], table[-1]
+    return yb + (yb - ya) * (size - b) / (b - a)
+
+
+def from_gpu_check(check: dict, tau: dict[str, float], hit: float = 0.5) -> dict:
+    """Rows of the seed table from gpu_check.json: per arm, ms per step and tokens/s co-located (measured: both
+    models in one process on one device), decoupled (modelled: the target's verify forward + the draft's levels +
+    transport, each model on its own device) and with overlap (pre-drafting hides drafting on `hit` of the steps)."""
+    engine, forward = check["engine_ms_per_step"], check["forward_ms"]
+    transport, transport_source = decoupled_transport(check)
+    rows = []
+    for row in engine["rows"]:
+        arm = ARMS[(row["method"], row["tree"])]
+        shape = engine["chain"] if row["tree"] == "chain" else engine["tree"]
+        nodes = 0 if arm == "ar" else (shape["num_draft_tokens"] if row["tree"] == "chain" else shape["budget"])
+        levels = 0 if arm == "ar" else (nodes if row["tree"] == "chain" else shape["depth"])
+        per_level = nodes / levels if levels else 0  # rows each draft forward runs
+        f = interpolate(forward["draft"]["by_new_tokens"], per_level) if levels else 0.0
+        costs = StepCosts(verify=interpolate(forward["target"]["by_new_tokens"], 1 + nodes), draft=levels * f,
+                          transport=transport if levels else 0.0, predraft=(levels + 1) * f, draft_forward=f,
+                          tau=tau[arm], hit=hit if levels else 0.0)
+        decoupled, overlap = costs.decoupled_ms(), costs.overlap_ms()
+        rows.append({"arm": arm, "tau": tau[arm], "colocated_ms": row["ms_per_step"],
+                     "colocated_tok_s": costs.tokens_per_s(row["ms_per_step"]),
+                     "decoupled_ms": decoupled, "decoupled_tok_s": costs.tokens_per_s(decoupled),
+                     "overlap_ms": overlap, "overlap_tok_s": costs.tokens_per_s(overlap)})
+    ar = next(r for r in rows if r["arm"] == "ar")
+    for r in rows:
+        for shape in ("colocated", "decoupled", "overlap"):
+            r[f"{shape}_vs_ar"] = r[f"{shape}_tok_s"] / ar[f"{shape}_tok_s"]
+    on_gpu = check["mode"] == "gpu"
+    device = check["environment"].get("device")
+    return {"rows": rows, "hit": hit, "inputs": {
+        "forward and engine step costs": f"measured on {device}" if on_gpu else
+        f"measured on the CPU with tiny shapes ({check['environment']['cpu']}): not a GPU figure",
+        "tau per arm": "measured on the real pair (Qwen2.5-Coder 0.5B -> 1.5B) on CPU, greedy, medical: not Qwen3",
+        "transport per step": transport_source,
+        "pre-draft hit share": f"assumed {hit}"}}
+
+
+def decoupled_transport(check: dict) -> tuple[float, str]:
+    """ms of transport per drafting step: from the GPU run's `bench decoupled` breakdown when it ran, else the CPU
+    measurement."""
+    result = check.get("decoupled", {})
+    path = Path(result.get("json", ""))
+    if result.get("rc") == 0 and path.is_file():
+        profiles = json.loads(path.read_text())["profiles"]
+        transports = sorted(from_profile(p, [], levels=1).transport for name, runs in profiles.items()
+                            if name.startswith("decoupled ") and not name.startswith("decoupled ar") for p in runs)
+        if transports:
+            return (transports[len(transports) // 2],
+                    f"median of bench decoupled's profiles on {check['environment'].get('device')} (tiny pair)")
+    return CPU_TRANSPORT_MS, f"{CPU_TRANSPORT_MS} ms, measured on CPU (no decoupled run on a GPU)"
+
+
+def print_gpu_table(table: dict) -> None:
+    print("| arm | τ | co-located ms | tok/s | ×ar | decoupled ms | tok/s | ×ar | overlap ms | tok/s | ×ar |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in table["rows"]:
+        print(f"| {r['arm']} | {r['tau']:.2f} | " + " | ".join(
+            f"{r[f'{s}_ms']:.2f} | {r[f'{s}_tok_s']:.1f} | {r[f'{s}_vs_ar']:.2f}"
+            for s in ("colocated", "decoupled", "overlap")) + " |")
+    print()
+    for what, source in table["inputs"].items():
+        print(f"- {what}: {source}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpu-check", type=Path, help="scripts/gpu_check.sh's gpu_check.json")
+    ap.add_argument("--real-pair", type=Path, default=REAL_PAIR_RESULTS, help="`evospec bench real` JSON (τ per arm)")
+    ap.add_argument("--hit", type=float, default=0.5, help="share of steps whose tree was pre-drafted")
+    args = ap.parse_args(argv)
+    if args.gpu_check:
+        print_gpu_table(from_gpu_check(json.loads(args.gpu_check.read_text()), measured_tau(args.real_pair),
+                                       args.hit))
+        return
+    print("Estimates from published H200 costs, not measurements (run scripts/gpu_check.sh on a GPU, then pass "
+          "--gpu-check):")
     for row in h200_projection():
         print(f"| {row['shape']} | {row['ms']:.2f} | {row.get('vs_colocated', 1.0):.2f} |")
+
+
+if __name__ == "__main__":
+    main()

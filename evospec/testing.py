@@ -1,6 +1,6 @@
 """Test fixtures that ship with the package: tiny random Qwen3 pairs (no files, no training; also used by the
-random-pair benchmark), the chi-square check of the statistical losslessness tests, and a scheduler budget that
-draws the draft depth at random."""
+random-pair benchmark and the GPU check), the chi-square check of the statistical losslessness tests, a scheduler
+budget that draws the draft depth at random, and random verify steps."""
 from __future__ import annotations
 
 import copy
@@ -8,8 +8,11 @@ import random
 
 import torch
 
+from evospec.config import SamplingParams
 from evospec.engine.budget import OnlineCost, SpeculationBudget, TokenCostTable
 from evospec.model.qwen3 import Qwen3, Qwen3Config
+from evospec.sampling import sample_without_replacement
+from evospec.tree import DraftTree
 
 
 def tiny_config(vocab: int = 96, hidden: int = 32, layers: int = 2, eos: int = 1) -> Qwen3Config:
@@ -18,16 +21,24 @@ def tiny_config(vocab: int = 96, hidden: int = 32, layers: int = 2, eos: int = 1
                        max_position_embeddings=1024, eos_token_id=eos)
 
 
-def random_qwen3(cfg: Qwen3Config, seed: int) -> Qwen3:
+def random_qwen3(cfg: Qwen3Config, seed: int, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32) -> Qwen3:
+    """A model of shape `cfg` with random weights drawn on `device` (a 4B shape in bf16 never exists in float32 on
+    the host), scaled so activations stay O(1)."""
     torch.manual_seed(seed)
-    model = Qwen3(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
-        model.embed_tokens.weight.mul_(3.0)  # peakier next-token distributions, like a trained model
+    on_host = torch.device(device).type == "cpu"
+    with torch.device("cpu" if on_host else "meta"):  # on the host, the modules' default init draws from the seed
+        model = Qwen3(cfg)                            # first (kept: every test's model stays the same)
+    state = {}
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            value = 1.0 + 0.1 * torch.randn(p.shape, device=device)
+        else:
+            value = torch.randn(p.shape, device=device) / p.shape[-1] ** 0.5
+        if name == "embed_tokens.weight":
+            value = value * 3.0  # peakier next-token distributions, like a trained model
+        state[name] = value.to(dtype)
+    model.load_state_dict(state, assign=True, strict=True)
     return model.eval().requires_grad_(False)
 
 
@@ -130,3 +141,61 @@ def prometheus_values(text: str, ignore: tuple[str, ...] = ("model_name",)) -> d
             labels = sorted((k, v) for k, v in sample.labels.items() if k not in ignore)
             values[sample.name + "".join(f"|{k}={v}" for k, v in labels)] = sample.value
     return values
+
+
+# ---- verify steps ----------------------------------------------------------------------------------------------------
+
+VERIFY_VOCAB = 40  # random_batch's vocabulary
+VERIFY_SAMPLINGS = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+             SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.0, top_k=8)]
+
+
+def drafted_tree(rng: random.Random, gen: torch.Generator, size: int, sampling: SamplingParams,
+                 active: int) -> DraftTree:
+    """A tree shaped at random whose sampled children are drawn, without replacement, from a draft distribution
+    over `active` ids of the vocabulary (the rest of the active set: unused dynamic slots, id -1)."""
+    if size == 0:
+        return DraftTree.empty()
+    used = max(2, active - 3)
+    active_ids = torch.cat([torch.randperm(VERIFY_VOCAB, generator=gen)[:used], torch.full((active - used,), -1)])
+    parents, tokens, probs = [], [], {}
+    for i in range(size):
+        parent = rng.randrange(-1, i)
+        if not sampling.greedy and parent not in probs:
+            q = torch.softmax(torch.randn(active, generator=gen) * 2, -1)
+            probs[parent] = torch.where(active_ids >= 0, q, 0.0) / q[active_ids >= 0].sum()
+        siblings = [t for t, p in zip(tokens, parents) if p == parent]
+        if sampling.greedy:
+            repeat = siblings and rng.random() < 0.2  # a sibling's token again: the greedy walk takes the first
+            token = rng.choice(siblings) if repeat else rng.randrange(VERIFY_VOCAB)
+        else:
+            drawn = sample_without_replacement(probs[parent], len(siblings) + 1, gen).tolist()
+            fresh = [int(active_ids[d]) for d in drawn if int(active_ids[d]) not in siblings]
+            if not fresh:
+                continue
+            token = fresh[0]
+        parents.append(parent)
+        tokens.append(token)
+    tree = DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+    if not sampling.greedy:
+        tree.draft_probs, tree.active_ids = probs, active_ids
+    return tree
+
+
+def random_batch(seed: int, requests: int, max_size: int):
+    """(trees, samplings, target logit rows per tree) of a verify step: greedy and sampled requests mixed, trees of
+    0..max_size nodes (tests/unit/test_verify_batch.py, bench/gpu_check.py)."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    trees, samplings, rows = [], [], []
+    for _ in range(requests):
+        sampling = rng.choice(VERIFY_SAMPLINGS)
+        size, active = rng.randrange(0, max_size + 1), rng.choice([12, 24, VERIFY_VOCAB])
+        tree = drafted_tree(rng, gen, size, sampling, active)
+        target = torch.randn(1 + tree.size, VERIFY_VOCAB, generator=gen) * 2
+        for i, token in enumerate(tree.token_ids.tolist()):  # the target often agrees with the draft
+            if rng.random() < 0.6:
+                target[tree.parents[i] + 1, token] += 4
+        trees.append(tree)
+        samplings.append(sampling)
+        rows.append(target)
+    return trees, samplings, rows

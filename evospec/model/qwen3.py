@@ -386,7 +386,8 @@ def forward_seconds(model: Qwen3, sizes=(1, 2), context: int = 32, repeats: int 
     cost: single-token padding is off while measuring; `with_head` adds the full LM head). One untimed round first
     (first calls of a shape choose and warm kernels up), then `repeats` rounds over all sizes, interleaved, and the
     fastest of each: another process busy on the same cores only ever slows a forward down, and interleaving keeps
-    a busy spell from skewing one size against another (the budget compares sizes)."""
+    a busy spell from skewing one size against another (the budget compares sizes). On a GPU each forward is
+    timed to its end (the device synchronised), not to its launch."""
     import time
 
     padding, model.pad_single_token = model.pad_single_token, False
@@ -396,18 +397,27 @@ def forward_seconds(model: Qwen3, sizes=(1, 2), context: int = 32, repeats: int 
         model(torch.arange(context) % vocab, torch.arange(context), cache, chain_then_tree_mask(0, context, None))
         cache.advance(context)
         cost = {n: float("inf") for n in sizes}
+        device = model.embed_tokens.weight.device
         for round_ in range(repeats + 1):
             for n in sizes:
+                synchronize(device)
                 t0 = time.perf_counter()
                 hidden = model(torch.arange(n) % vocab, torch.arange(context, context + n), cache,
                                chain_then_tree_mask(context, n, None))
                 if with_head:
                     model.full_logits(hidden)
+                synchronize(device)
                 if round_:
                     cost[n] = min(cost[n], time.perf_counter() - t0)
         return cost
     finally:
         model.pad_single_token = padding
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (timing on a GPU); nothing to wait for on a CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def calibrate_single_token_padding(model: Qwen3) -> bool:

@@ -12,7 +12,7 @@ from evospec.config import SamplingParams
 from evospec.sampling import logits_to_probs, sample_without_replacement
 from evospec.testing import chi_square_p
 from evospec.tree import DraftTree
-from evospec.verify import verify_stochastic
+from evospec.verify import verify_on_device, verify_stochastic
 
 VOCAB = 6
 SAMPLES = 20_000
@@ -40,12 +40,13 @@ def draft_tree(draft_probs_rows, branching, depth2_branching, gen):
     return DraftTree(torch.tensor(tokens), torch.tensor(parents), probs, torch.arange(VOCAB))
 
 
-def sample_two_tokens(target_probs_rows, draft_probs_rows, branching, depth2, seed, verifier=verify_stochastic):
+def sample_two_tokens(target_probs_rows, draft_probs_rows, branching, depth2, seed, verifier=verify_stochastic,
+                      samples=SAMPLES):
     """Counts of (first, second) committed tokens; the second only when the first was an accepted node."""
     gen = torch.Generator().manual_seed(seed)
     first = np.zeros(VOCAB)
     second = np.zeros((VOCAB, VOCAB))
-    for _ in range(SAMPLES):
+    for _ in range(samples):
         tree = draft_tree(draft_probs_rows, branching, depth2, gen)
         rows = torch.stack([target_probs_rows[0]] + [target_probs_rows[1 + t] for t in tree.token_ids.tolist()])
         result = verifier(tree, rows, gen)
@@ -74,6 +75,26 @@ def test_committed_tokens_follow_target(name, branching, depth2, sampling):
     first, second = sample_two_tokens(target_probs, draft_probs, branching, depth2, seed=1)
     assert chi_square_p(first, target_probs[0].numpy()) > 1e-3
     # given the first token came from an accepted node x, the second follows the target's p(. | x)
+    for x in range(VOCAB):
+        if second[x].sum() >= 500:
+            assert chi_square_p(second[x], target_probs[1 + x].numpy()) > 1e-3, f"second token after {x}"
+
+
+def batch_verifier(tree, target_probs, generator):
+    """The batch-first (GPU) verifier on a batch of one (logits whose softmax is the processed distribution)."""
+    return verify_on_device([tree], target_probs.log(), [SamplingParams(temperature=1.0)], [generator])[0]
+
+
+def test_batch_verification_follows_target():
+    """The tree case with top-p, through `verify_on_device` (5k samples: the batch costs more per call on one tree)."""
+    _, branching, depth2, sampling = CASES[3]
+    gen = torch.Generator().manual_seed(11)
+    target_logits, draft_logits = make_logits(gen)
+    target_probs = logits_to_probs(target_logits, sampling)
+    draft_probs = logits_to_probs(draft_logits, sampling)
+    first, second = sample_two_tokens(target_probs, draft_probs, branching, depth2, seed=2, verifier=batch_verifier,
+                                      samples=SAMPLES // 4)
+    assert chi_square_p(first, target_probs[0].numpy()) > 1e-3
     for x in range(VOCAB):
         if second[x].sum() >= 500:
             assert chi_square_p(second[x], target_probs[1 + x].numpy()) > 1e-3, f"second token after {x}"

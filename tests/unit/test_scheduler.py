@@ -15,8 +15,6 @@ from evospec.errors import EvoSpecError, InvalidRequestError, OverloadedError
 from evospec.kernels.tree import chain_then_tree_mask, chain_then_tree_positions
 from evospec.model import KVArena, Segment
 from evospec.testing import Collector, RandomDepth, chi_square_p, exact_two_token_joint, random_pair, run_all
-from evospec.tree import DraftTree
-from evospec.verify import verify_batch, verify_greedy, verify_stochastic
 
 VOCAB = 96
 
@@ -69,38 +67,6 @@ def test_kv_arena_reserves_releases_and_merges(decoder):
     region = arena.reserve(100)
     region.keys[0, 0, 3] = 7.0  # a region is a view: writes reach the arena
     assert arena.keys[0, 0, 3].eq(7.0).all()
-
-
-def random_tree(rng, n, vocab):
-    if n == 0:
-        return DraftTree.empty()
-    parents = [-1] + [rng.randrange(-1, i) for i in range(1, n)]
-    return DraftTree(torch.tensor([rng.randrange(vocab) for _ in range(n)]), torch.tensor(parents))
-
-
-def test_verify_batch_matches_per_tree_reference():
-    rng = random.Random(0)
-    vocab = 12
-    trees, samplings, rows = [], [], []
-    for i in range(8):
-        tree = random_tree(rng, rng.randrange(0, 6), vocab)
-        sampling = SamplingParams(temperature=0.0 if i % 2 == 0 else 0.8, top_p=0.9 if i % 4 == 1 else 1.0)
-        if not sampling.greedy and tree.size:
-            q = torch.softmax(torch.randn(tree.size + 1, vocab), -1)
-            tree.draft_probs = {p: q[p + 1] for p in set(tree.parents.tolist())}
-            tree.active_ids = torch.arange(vocab)
-        trees.append(tree)
-        samplings.append(sampling)
-        rows.append(torch.randn(1 + tree.size, vocab) * 3)
-    logits = torch.cat(rows)
-    got = verify_batch(trees, logits, samplings, [torch.Generator().manual_seed(i) for i in range(8)])
-    from evospec.sampling import logits_to_probs
-    for i, (tree, sampling, r) in enumerate(zip(trees, samplings, rows)):
-        want = verify_greedy(tree, r) if sampling.greedy else \
-            verify_stochastic(tree, logits_to_probs(r, sampling), torch.Generator().manual_seed(i))
-        assert got[i] == want
-    with pytest.raises(ValueError, match="logit rows"):
-        verify_batch(trees, logits[1:], samplings, [None] * 8)
 
 
 # ---- the scheduler against the per-request loop -----------------------------------------------------------------

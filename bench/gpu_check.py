@@ -1,0 +1,285 @@
+"""What the project does on a GPU, in one short run (scripts/gpu_check.sh calls this), and the same run on tiny
+models on the CPU, so it never rots (CI runs `scripts/gpu_check.sh --cpu`).
+
+    scripts/gpu_check.sh            # one GPU: Qwen3-1.7B- and Qwen3-4B-shaped models, random weights, bf16
+    scripts/gpu_check.sh --cpu      # the same steps with the tiny shapes, float32, on the CPU
+
+Nothing is downloaded: the production shapes come from the models' published configs (`SHAPES`) with random
+weights (a forward's cost depends on the shapes, not on the values). Acceptance is not random, though: the
+projection (bench/projection.py `from_gpu_check`) multiplies these step costs by the real pair's measured τ per
+method. Steps, each recorded in gpu_check.json (a step that fails is recorded with its error; the others still run):
+
+1. environment: the device, torch and CUDA versions, the CPU's capability;
+2. tests/gpu (pytest: skipped without CUDA);
+3. forward: ms of one target and one draft forward (full LM head) by new tokens at batch 1, and by batch at one new
+   token per sequence, after a `context`-token prefix;
+4. engine: ms per step of `ar`, `sd`, `frspec` 32k and `evospec` 32k+256, chain and tree (the shapes whose τ the
+   real pair measured: results/bench_real_greedy), in process, both models on one device, trees of fixed shape;
+5. verify: host synchronisations per batched verify step (torch.cuda.set_sync_debug_mode on a GPU; on a CPU the
+   count is the unit test's, tests/unit/test_verify_batch.py);
+6. decoupled (GPU only): `evospec bench decoupled` on the tiny pair with both deployments sharing the GPU
+   (orchestration/configs/gpu-tiny.yaml), against the same engine in process: the transport's cost per step.
+Writes gpu_check.json and gpu_check.md under --out ($OUT, else results/gpu/).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from evospec.config import SamplingParams, SpecParams, TreeParams
+from evospec.model import Qwen3, Qwen3Config, Segment
+from evospec.model.qwen3 import synchronize
+from evospec.testing import random_qwen3, tiny_config
+
+# Hugging Face config.json of Qwen/Qwen3-1.7B and Qwen/Qwen3-4B (the fields a forward's cost depends on).
+SHAPES = {
+    "draft": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "target": dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                   num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+}
+# The same steps on the CPU: a vocabulary large enough for a 32k static set, two tiny decoders.
+CPU_SHAPES = {"draft": tiny_config(vocab=40960, hidden=64, layers=1, eos=-1),
+              "target": tiny_config(vocab=40960, hidden=64, layers=2, eos=-1)}
+CHAIN = TreeParams(shape="chain", num_draft_tokens=4)
+TREE = TreeParams(shape="tree", depth=4, branching=2, budget=8)
+METHODS = ("ar", "sd", "frspec", "evospec")  # the vocabularies are SpecParams' defaults: static 32k, dynamic 256
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU (CI)")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "results/gpu"))
+    args = ap.parse_args(argv)
+    if not args.cpu and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; run with --cpu for the CPU check", file=sys.stderr)
+        return 2
+    device, dtype = (torch.device("cpu"), torch.float32) if args.cpu else (torch.device("cuda"), torch.bfloat16)
+    if args.cpu:
+        torch.set_num_threads(min(2, os.cpu_count() or 1))
+    start = time.monotonic()
+    report: dict = {"mode": "cpu" if args.cpu else "gpu", "environment": environment(device)}
+    report["tests_gpu"] = step(run_gpu_tests)
+    target, draft = step_models(report, args.cpu, device, dtype)
+    if target is not None:
+        context = 32 if args.cpu else 512
+        report["forward_ms"] = step(lambda: {"target": forward_costs(target, context, args.cpu),
+                                             "draft": forward_costs(draft, context, args.cpu)})
+        report["engine_ms_per_step"] = step(lambda: engine_steps(target, draft, max_tokens=16 if args.cpu else 48))
+        del target, draft
+    report["verify_host_syncs"] = step(lambda: verify_syncs(device))
+    report["decoupled"] = ({"skipped": "--cpu: the service on the CPU is measured by tests/e2e and bench decoupled"}
+                           if args.cpu else step(lambda: decoupled(args.out)))
+    report["elapsed_s"] = round(time.monotonic() - start, 1)
+    write(report, args.out)
+    failed = [name for name, part in report.items() if isinstance(part, dict) and "error" in part]
+    print(f"gpu_check: {report['elapsed_s']} s, wrote {args.out}/gpu_check.json and .md"
+          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+def step(fn):
+    """Run one step; a failure is recorded (type and message), not raised, so the other steps still run."""
+    t0 = time.monotonic()
+    try:
+        out = fn()
+    except Exception as exc:  # noqa: BLE001 - the report says what failed
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": round(time.monotonic() - t0, 1)}
+    return {**out, "seconds": round(time.monotonic() - t0, 1)} if isinstance(out, dict) else out
+
+
+def environment(device: torch.device) -> dict:
+    env = {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+           "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            env["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(device=props.name, memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda)
+    else:
+        env["device"] = "cpu"
+    return env
+
+
+def run_gpu_tests() -> dict:
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu"],
+                          capture_output=True, text=True, timeout=300)
+    summary = (proc.stdout.strip().splitlines() or [""])[-1]
+    out = {"rc": proc.returncode, "summary": summary}
+    if proc.returncode not in (0, 5):
+        out["error"] = proc.stdout[-2000:]
+    return out
+
+
+def step_models(report: dict, cpu: bool, device: torch.device, dtype: torch.dtype):
+    """The (target, draft) pair of random models at the production shapes (or the tiny ones with --cpu)."""
+    configs = CPU_SHAPES if cpu else {k: Qwen3Config(**v, eos_token_id=-1) for k, v in SHAPES.items()}
+    models = {}
+
+    def build():
+        for seed, (role, cfg) in enumerate(configs.items()):
+            models[role] = random_qwen3(cfg, seed, device=device, dtype=dtype)
+        return {role: {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size,
+                       "parameters_m": round(sum(p.numel() for p in models[role].parameters()) / 1e6, 1)}
+                for role, cfg in configs.items()}
+    report["models"] = step(build)
+    return models.get("target"), models.get("draft")
+
+
+@torch.inference_mode()
+def forward_costs(model: Qwen3, context: int, cpu: bool) -> dict:
+    """ms of one forward with the full LM head: by new tokens (batch 1) and by batch (one new token each)."""
+    tokens = (1, 2, 4, 8, 16, 32, 64)
+    batches = (1, 2, 4, 8) if cpu else (1, 2, 4, 8, 16, 32)
+    caches = [prefilled_cache(model, context, max(tokens)) for _ in range(max(batches))]
+    device = model.embed_tokens.weight.device
+    by_tokens = {n: best_ms(lambda n=n: forward([caches[0]], model, n), device) for n in tokens}
+    by_batch = {b: best_ms(lambda b=b: forward(caches[:b], model, 1), device) for b in batches}
+    return {"context": context, "by_new_tokens": by_tokens, "by_batch": by_batch}
+
+
+def prefilled_cache(model: Qwen3, context: int, room: int):
+    cache = model.new_cache(context + room)
+    model.forward_packed([Segment.chain(cache, [i % model.cfg.vocab_size for i in range(context)])])
+    cache.advance(context)
+    return cache
+
+
+def forward(caches, model: Qwen3, n: int) -> None:
+    """n new tokens per cache, not committed (the next call writes the same slots)."""
+    hidden = model.forward_packed([Segment.chain(c, [7 + i for i in range(n)]) for c in caches])
+    model.full_logits(hidden)
+
+
+def best_ms(fn, device: torch.device, repeats: int = 3) -> float:
+    """The fastest of `repeats` timed runs after one untimed one, in ms, each timed to the device's end."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return round(1000 * best, 3)
+
+
+def engine_steps(target: Qwen3, draft: Qwen3, max_tokens: int) -> dict:
+    """ms per engine step of each method and tree shape (greedy, ignore_eos, one request), in process."""
+    from evospec.engine.generate import SpeculativeDecoder
+    decoder = SpeculativeDecoder(target, draft, static_ids=torch.arange(32768))
+    prompt = [(31 * i + 7) % target.cfg.vocab_size for i in range(64)]
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    rows = []
+    for method in METHODS:
+        for tree in (CHAIN,) if method == "ar" else (CHAIN, TREE):
+            spec = SpecParams(method=method, tree=tree)
+            list(decoder.generate(prompt, sampling, spec))  # warm-up (first calls choose kernels)
+            device = target.embed_tokens.weight.device
+            synchronize(device)
+            t0 = time.perf_counter()
+            gen = decoder.generate(prompt, sampling, spec)
+            list(gen)
+            synchronize(device)
+            seconds = time.perf_counter() - t0
+            rows.append({"method": method, "tree": "none" if method == "ar" else tree.shape,
+                         "ms_per_step": round(1000 * seconds / max(1, gen.stats.steps), 3),
+                         "steps": gen.stats.steps, "tokens": len(gen.output_ids)})
+    return {"max_tokens": max_tokens, "chain": CHAIN.model_dump(), "tree": TREE.model_dump(), "rows": rows}
+
+
+def verify_syncs(device: torch.device) -> dict:
+    """Host synchronisations of one batched verify step (8 requests, greedy and sampled, trees of up to 8 nodes),
+    counted by CUDA's sync debug mode (each synchronising call warns)."""
+    if device.type != "cuda":
+        return {"skipped": "no GPU: counted on the CPU by tests/unit/test_verify_batch.py"}
+    from evospec.testing import random_batch
+    from evospec.verify import verify_on_device
+    trees, samplings, rows = random_batch(7, 8, 8)
+    logits = torch.cat(rows).to(device)
+    gens = [torch.Generator(device=device).manual_seed(i) for i in range(len(trees))]
+    for tree in trees:
+        tree.draft_probs = {k: v.to(device) for k, v in tree.draft_probs.items()}
+        tree.active_ids = tree.active_ids.to(device) if tree.active_ids is not None else None
+    verify_on_device(trees, logits, samplings, gens)  # warm-up
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            verify_on_device(trees, logits, samplings, gens)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+    return {"per_step": len(syncs), "calls": syncs[:8], "requests": len(trees)}
+
+
+def decoupled(out: Path) -> dict:
+    """`evospec bench decoupled` on the tiny pair, the two deployments sharing this GPU (a few minutes). Needs Ray,
+    which the GPU machine's image lacks and whose wheel is over what can be carried there: skipped then."""
+    import importlib.util
+    if importlib.util.find_spec("ray") is None:
+        return {"skipped": "ray is not installed here (its wheel is over the 64 MiB a device run can carry)"}
+    bench_args = ["--pair", "tiny", "--config", "orchestration/configs/gpu-tiny.yaml", "--repeats", "2",
+                  "--prompts", "2", "--max-tokens", "32", "--concurrency", "1", "4", "--breakdown",
+                  "--out", str(out / "decoupled")]
+    proc = subprocess.run([sys.executable, "-c", f"from evospec.bench.decoupled import main; main({bench_args!r})"],
+                          capture_output=True, text=True, timeout=360)
+    result = {"rc": proc.returncode, "json": str(out / "decoupled" / "bench_decoupled.json")}
+    if proc.returncode != 0:
+        result["error"] = (proc.stderr or proc.stdout)[-2000:]
+    return result
+
+
+def write(report: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "gpu_check.md").write_text(markdown(report))
+
+
+def markdown(report: dict) -> str:
+    env = report["environment"]
+    lines = [f"# gpu_check ({report['mode']})", "",
+             f"{env.get('device')} · torch {env['torch']} · CPU {env['cpu']} ({env['cpu_capability']}) · "
+             f"{report['elapsed_s']} s", "",
+             f"- tests/gpu: {report['tests_gpu'].get('summary', report['tests_gpu'].get('error'))}",
+             f"- verify host syncs per step: {report['verify_host_syncs']}", ""]
+    forward = report.get("forward_ms", {})
+    if "target" in forward:
+        lines += [f"## Forward ms (context {forward['target']['context']}, full LM head)", "",
+                  "| model | " + " | ".join(f"{n} tok" for n in forward["target"]["by_new_tokens"]) + " |",
+                  "|---" * (1 + len(forward["target"]["by_new_tokens"])) + "|"]
+        for role in ("target", "draft"):
+            lines.append(f"| {role} | " + " | ".join(f"{v:.2f}" for v in forward[role]["by_new_tokens"].values())
+                         + " |")
+        lines += ["", "| model | " + " | ".join(f"batch {b}" for b in forward["target"]["by_batch"]) + " |",
+                  "|---" * (1 + len(forward["target"]["by_batch"])) + "|"]
+        for role in ("target", "draft"):
+            lines.append(f"| {role} | " + " | ".join(f"{v:.2f}" for v in forward[role]["by_batch"].values()) + " |")
+        lines.append("")
+    engine = report.get("engine_ms_per_step", {})
+    if "rows" in engine:
+        lines += ["## Engine ms per step (in process, one request, fixed trees)", "", "| method | tree | ms/step |",
+                  "|---|---|---|"]
+        lines += [f"| {r['method']} | {r['tree']} | {r['ms_per_step']:.2f} |" for r in engine["rows"]]
+        lines.append("")
+    errors = {k: v["error"] for k, v in report.items() if isinstance(v, dict) and "error" in v}
+    if errors:
+        lines += ["## Failed steps", ""] + [f"- {k}: {v.splitlines()[0] if v else v}" for k, v in errors.items()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Batch-first verification (evospec/verify.py `verify_on_device`, run here on the CPU) against the per-tree
+reference (`verify_greedy`, `verify_stochastic`): identical tokens under greedy, identical seeded samples under
+sampling, for any mix of trees, chains, empty trees, repeated sibling tokens, FR-Spec-sized active sets with unused
+dynamic slots; and at most one host synchronisation per step, counted by instrumenting every call that makes one on
+a GPU."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
+
+from evospec.sampling import logits_to_probs
+from evospec.testing import VERIFY_VOCAB, random_batch
+from evospec.verify import verify_batch, verify_greedy, verify_on_device, verify_stochastic
+
+VOCAB = VERIFY_VOCAB
+
+
+def reference(tree, sampling, rows, seed):
+    if sampling.greedy:
+        return verify_greedy(tree, rows)
+    return verify_stochastic(tree, logits_to_probs(rows, sampling), torch.Generator().manual_seed(seed))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), requests=st.integers(1, 8), max_size=st.integers(0, 9))
+def test_batch_is_identical_to_the_per_tree_reference(seed, requests, max_size):
+    trees, samplings, rows = random_batch(seed, requests, max_size)
+    gens = [torch.Generator().manual_seed(seed + i) for i in range(requests)]
+    got = verify_on_device(trees, torch.cat(rows), samplings, gens)
+    assert verify_batch(trees, torch.cat(rows), samplings,  # what the engine calls (here: tree by tree)
+                        [torch.Generator().manual_seed(seed + i) for i in range(requests)]) == got
+    for i, (tree, sampling, r) in enumerate(zip(trees, samplings, rows)):
+        assert got[i] == reference(tree, sampling, r, seed + i), (i, sampling)
+
+
+def test_the_batch_accepts_drafts_and_consumes_the_generator_as_the_reference_does():
+    """Over many steps, seeded: identical results, some long acceptances (the test exercises the levels), and each
+    generator left in the reference's state (the next step draws the same numbers)."""
+    accepted = 0
+    for seed in range(40):
+        trees, samplings, rows = random_batch(seed, 6, 8)
+        batch_gens = [torch.Generator().manual_seed(seed + i) for i in range(6)]
+        got = verify_on_device(trees, torch.cat(rows), samplings, batch_gens)
+        for i, (tree, sampling, r) in enumerate(zip(trees, samplings, rows)):
+            ref_gen = torch.Generator().manual_seed(seed + i)
+            want = verify_greedy(tree, r) if sampling.greedy else \
+                verify_stochastic(tree, logits_to_probs(r, sampling), ref_gen)
+            assert got[i] == want
+            assert torch.equal(batch_gens[i].get_state(), ref_gen.get_state())
+            accepted += len(want.accepted_nodes)
+    assert accepted > 100
+
+
+SYNCING_METHODS = {"item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__",
+                   "masked_select", "unique", "multinomial", "argwhere"}
+
+
+class HostSyncCounter(TorchFunctionMode):
+    """Counts calls that make the host wait for the device on a GPU: reading values (item, tolist, bool(), ...),
+    data-dependent shapes (nonzero, boolean-mask indexing). Reading the trees' structure is not counted: the tokens
+    and parents of a tree are host tensors (the drafter and the gRPC link hand them over on the host)."""
+    def __init__(self, host_tensors):
+        super().__init__()
+        self.host_ids = {id(t) for t in host_tensors}
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        on_host_input = bool(args) and id(args[0]) in self.host_ids
+        mask_index = name == "__getitem__" and any(isinstance(a, torch.Tensor) and a.dtype == torch.bool
+                                                   for a in _flat(args[1:]))
+        if (name in SYNCING_METHODS and not on_host_input) or mask_index:
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _flat(items):
+    for item in items:
+        if isinstance(item, (tuple, list)):
+            yield from _flat(item)
+        else:
+            yield item
+
+
+@pytest.mark.parametrize("mix", ["greedy", "sampled", "mixed"])
+def test_one_host_synchronisation_per_step(mix):
+    trees, samplings, rows = random_batch(7, 8, 8)
+    if mix != "mixed":
+        keep = [i for i, s in enumerate(samplings) if s.greedy == (mix == "greedy")]
+        trees, samplings, rows = [trees[i] for i in keep], [samplings[i] for i in keep], [rows[i] for i in keep]
+    assert trees
+    counter = HostSyncCounter([t for tree in trees for t in (tree.token_ids, tree.parents)])
+    with counter:
+        verify_on_device(trees, torch.cat(rows), samplings,
+                         [torch.Generator().manual_seed(i) for i in range(len(trees))])
+    assert counter.calls == ["tolist"]
+
+
+def test_the_counter_sees_a_per_node_item():
+    """The counter can fail: the per-tree reference synchronises once per tested node."""
+    trees, samplings, rows = random_batch(3, 8, 8)
+    i = next(i for i, (t, s) in enumerate(zip(trees, samplings)) if not s.greedy and t.size > 2)
+    counter = HostSyncCounter([trees[i].token_ids, trees[i].parents])
+    with counter:
+        verify_stochastic(trees[i], logits_to_probs(rows[i], samplings[i]), torch.Generator().manual_seed(0))
+    assert len(counter.calls) > 2
+
+
+def test_rows_must_match_the_trees():
+    trees, samplings, rows = random_batch(1, 3, 4)
+    for verify in (verify_batch, verify_on_device):
+        with pytest.raises(ValueError, match="logit rows"):
+            verify(trees, torch.cat(rows)[1:], samplings, [None] * 3)
+        assert verify([], torch.zeros(0, VOCAB), [], []) == []
