@@ -21,3 +21,12 @@ def tiny_draft_replica():
     yield draft, port, pool
     pool.close()
     grpc_server.stop(grace=None)
+
+
+@pytest.fixture(params=["verify_each", "verify_on_device"])
+def verification(request, monkeypatch):
+    """Each implementation of the target engine's batched verification in turn, both on the CPU: `verify_batch`
+    takes verify_each on a CPU and verify_on_device (batch-first) on an accelerator (evospec/verify.py)."""
+    from evospec import verify
+    monkeypatch.setattr("evospec.engine.target.verify_batch", getattr(verify, request.param))
+    return request.param

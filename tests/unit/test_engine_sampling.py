@@ -40,6 +40,14 @@ def test_engine_joint_distribution(name, method, tree, sampling):
     assert chi_square_p(counts, exact_two_token_joint(target, PROMPT, sampling.model_copy(update={"max_tokens": 2}))) > 1e-3
 
 
+@pytest.mark.slow
+def test_engine_joint_distribution_with_batch_first_verification(monkeypatch):
+    """The tree case with top-p through the engine verifying with verify_on_device (what an accelerator runs)."""
+    from evospec import verify
+    monkeypatch.setattr("evospec.engine.target.verify_batch", verify.verify_on_device)
+    test_engine_joint_distribution(*CASES[1])
+
+
 def test_seeded_generation_is_deterministic():
     target, draft = random_pair(vocab=96, seed=1, eos=1)
     dec = SpeculativeDecoder(target, draft)

@@ -1,4 +1,5 @@
-"""Greedy speculative output == target-only greedy output, token for token (chain and tree, many prompts)."""
+"""Greedy speculative output == target-only greedy output, token for token (chain and tree, many prompts), with each
+implementation of batched verification (the `verification` fixture)."""
 import pytest
 import torch
 
@@ -26,7 +27,7 @@ def decoder():
 
 @pytest.mark.parametrize("tree", TREES, ids=lambda t: f"{t.shape}-{t.max_nodes}")
 @pytest.mark.parametrize("prompt_len", [1, 2, 7, 30])
-def test_greedy_identical(decoder, tree, prompt_len):
+def test_greedy_identical(decoder, tree, prompt_len, verification):
     prompt = [(7 * i + 3) % 95 + 1 for i in range(prompt_len)]
     sampling = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     ref = run(decoder, prompt, sampling, SpecParams(method="ar"))
@@ -37,7 +38,7 @@ def test_greedy_identical(decoder, tree, prompt_len):
     assert ref.stats.steps == 40 and ref.stats.tau == 1.0
 
 
-def test_frspec_restricted_vocab_still_identical(decoder):
+def test_frspec_restricted_vocab_still_identical(decoder, verification):
     target, draft = random_pair(vocab=96, seed=3, eos=1)
     static = torch.arange(0, 96, 2)  # half the vocabulary: many target tokens are misses
     dec = SpeculativeDecoder(target, draft, static_ids=static)

@@ -93,7 +93,7 @@ def mixed_requests(temperature_of):
 
 
 @pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
-def test_mixed_batch_greedy_identical_to_per_request_loop(decoder, adaptive):
+def test_mixed_batch_greedy_identical_to_per_request_loop(decoder, adaptive, verification):
     requests = mixed_requests(lambda i: 0.0)
     scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, prefill_chunk=16, adaptive=adaptive))
     sinks = run_all(scheduler, requests)
@@ -107,7 +107,7 @@ def test_mixed_batch_greedy_identical_to_per_request_loop(decoder, adaptive):
         assert sum(s.finished.stats.accepted for s in sinks) > 0
 
 
-def test_mixed_batch_seeded_sampling_identical_to_per_request_loop(decoder):
+def test_mixed_batch_seeded_sampling_identical_to_per_request_loop(decoder, verification):
     """With the draft depth fixed, each request draws the same random numbers in the same order as alone."""
     requests = mixed_requests(lambda i: [0.0, 0.7, 1.0][i % 3])
     scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, prefill_chunk=8, adaptive=False,
