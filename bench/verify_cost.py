@@ -1,0 +1,67 @@
+"""The two implementations of batched verification side by side on this machine (evospec/verify.py): `verify_each`
+(the per-tree reference, which the engine takes on a CPU) and `verify_on_device` (batch-first, which it takes on an
+accelerator), on random trees over Qwen3's vocabulary with a 32k active set.
+
+    python -m evospec.bench.verify_cost [--device cpu|cuda] [--repeats 5]
+
+Prints ms per verify step (median, min, max) for greedy and sampled batches of several sizes.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from evospec.config import SamplingParams
+from evospec.model.qwen3 import synchronize
+from evospec.tree import DraftTree
+from evospec.verify import verify_each, verify_on_device
+
+VOCAB, ACTIVE = 151936, 32768
+SIZES = ((1, 8), (4, 8), (16, 16))  # (trees, nodes per tree)
+
+
+def random_step(rng: random.Random, trees: int, nodes: int, greedy: bool, device: torch.device):
+    batch, rows = [], []
+    for _ in range(trees):
+        parents = [-1] + [rng.randrange(-1, i) for i in range(1, nodes)]
+        tree = DraftTree(torch.randint(0, VOCAB, (nodes,)), torch.tensor(parents))
+        if not greedy:
+            tree.active_ids = torch.arange(ACTIVE, device=device)
+            tree.draft_probs = {p: torch.softmax(torch.randn(ACTIVE, device=device), -1) for p in set(parents)}
+        batch.append(tree)
+        rows.append(torch.randn(1 + nodes, VOCAB, device=device))
+    return batch, torch.cat(rows), [SamplingParams(temperature=0.0 if greedy else 0.8)] * trees
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    device, rng = torch.device(args.device), random.Random(0)
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    print(f"device {device}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+          f"{torch.get_num_threads()} threads; ms per verify step: median (min-max) of {args.repeats}")
+    for greedy in (True, False):
+        for trees, nodes in SIZES:
+            step = random_step(rng, trees, nodes, greedy, device)
+            cells = []
+            for verify in (verify_each, verify_on_device):
+                times = []
+                for _ in range(args.repeats):
+                    gens = [torch.Generator(device=device).manual_seed(i) for i in range(trees)]
+                    synchronize(device)
+                    t0 = time.perf_counter()
+                    verify(*step, gens)
+                    synchronize(device)
+                    times.append(1000 * (time.perf_counter() - t0))
+                times.sort()
+                cells.append(f"{verify.__name__} {times[len(times) // 2]:.1f} ({times[0]:.1f}-{times[-1]:.1f})")
+            print(f"{'greedy' if greedy else 'sampled'} {trees} x {nodes}: " + ", ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
