@@ -236,10 +236,14 @@ def _fail_fast_without_replicas() -> None:
         def message(self) -> str:
             return TARGET_RESTARTING
 
+    def has_no_replica(router) -> bool:
+        request_router = router.request_router  # None until Serve has told the router its deployment's config
+        return request_router is not None and len(request_router.curr_replicas) == 0
+
     async def route_or_fail(self, pending_request, response_id):
         routing = asyncio.ensure_future(original(self, pending_request, response_id))
         try:
-            await until_done_or_no_replicas(routing, lambda: len(self._active_request_router.curr_replicas) == 0)
+            await until_done_or_no_replicas(routing, lambda: has_no_replica(self))
         except asyncio.CancelledError:
             routing.cancel()
             raise

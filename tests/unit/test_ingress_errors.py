@@ -77,7 +77,7 @@ def test_the_policy_installs_once_in_the_proxy_module():
 class FakeRouter:
     """What the wrapped `route_and_send_request` reads of Serve's AsyncioRouter."""
     def __init__(self, replicas):
-        self._active_request_router = types.SimpleNamespace(curr_replicas=replicas)
+        self.request_router = types.SimpleNamespace(curr_replicas=replicas)
         self.deployment_id = "Target"
 
 
@@ -116,6 +116,15 @@ def test_a_call_without_any_replica_fails_unavailable_within_a_second(monkeypatc
 def test_a_call_queued_behind_busy_replicas_is_not_failed(monkeypatch):
     choose, seen = router_that_waits(monkeypatch, wait_s=1.2)  # longer than the grace
     assert asyncio.run(choose(FakeRouter({"r1": object()}), None, "id")) == "replica-1"
+    assert not seen["cancelled"]
+
+
+def test_a_router_not_yet_configured_is_not_failed(monkeypatch):
+    """Before Serve tells a new router its deployment's config, it has no request router: that is not a restart."""
+    choose, seen = router_that_waits(monkeypatch, wait_s=1.2)
+    router = FakeRouter({})
+    router.request_router = None
+    assert asyncio.run(choose(router, None, "id")) == "replica-1"
     assert not seen["cancelled"]
 
 
