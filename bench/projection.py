@@ -124,7 +124,8 @@ def interpolate(ms_by_size: dict, size: float) -> float:
 def from_gpu_check(check: dict, tau: dict[str, float], hit: float = 0.5) -> dict:
     """Rows of the seed table from gpu_check.json: per arm, ms per step and tokens/s co-located (measured: both
     models in one process on one device), decoupled (modelled: the target's verify forward + the draft's levels +
-    transport, each model on its own device) and with overlap (pre-drafting hides drafting on `hit` of the steps)."""
+    transport + the engine's bookkeeping, each model on its own device) and with overlap (pre-drafting hides
+    drafting on `hit` of the steps)."""
     engine, forward = check["engine_ms_per_step"], check["forward_ms"]
     transport, transport_source = decoupled_transport(check)
     rows = []
@@ -135,9 +136,11 @@ def from_gpu_check(check: dict, tau: dict[str, float], hit: float = 0.5) -> dict
         levels = 0 if arm == "ar" else (nodes if row["tree"] == "chain" else shape["depth"])
         per_level = nodes / levels if levels else 0  # rows each draft forward runs
         f = interpolate(forward["draft"]["by_new_tokens"], per_level) if levels else 0.0
-        costs = StepCosts(verify=interpolate(forward["target"]["by_new_tokens"], 1 + nodes), draft=levels * f,
-                          transport=transport if levels else 0.0, predraft=(levels + 1) * f, draft_forward=f,
-                          tau=tau[arm], hit=hit if levels else 0.0)
+        verify = interpolate(forward["target"]["by_new_tokens"], 1 + nodes)
+        other = max(0.0, row["ms_per_step"] - verify - levels * f)  # the engine's own work, as measured co-located
+        costs = StepCosts(verify=verify, draft=levels * f, transport=transport if levels else 0.0,
+                          predraft=(levels + 1) * f, draft_forward=f, tau=tau[arm], hit=hit if levels else 0.0,
+                          other=other)
         decoupled, overlap = costs.decoupled_ms(), costs.overlap_ms()
         rows.append({"arm": arm, "tau": tau[arm], "colocated_ms": row["ms_per_step"],
                      "colocated_tok_s": costs.tokens_per_s(row["ms_per_step"]),
@@ -154,6 +157,9 @@ def from_gpu_check(check: dict, tau: dict[str, float], hit: float = 0.5) -> dict
         f"measured on the CPU with tiny shapes ({check['environment']['cpu']}): not a GPU figure",
         "tau per arm": "measured on the real pair (Qwen2.5-Coder 0.5B -> 1.5B) on CPU, greedy, medical: not Qwen3",
         "transport per step": transport_source,
+        "draft forward": "timed with the full LM head: FR-Spec's and EvoSpec's pruned heads cost less, so their "
+                         "decoupled and overlap rows are upper bounds on step time",
+        "engine bookkeeping": "the co-located step minus its forwards, added to the decoupled step too",
         "pre-draft hit share": f"assumed {hit}"}}
 
 

@@ -12,8 +12,8 @@ def tree_depths(parents: torch.Tensor) -> torch.Tensor:
     """Depth of each node, 1 for children of the root. parents: [n] -> depths: [n] int64."""
     depth_list: list[int] = []
     for i, p in enumerate(parents.tolist()):
-        if p >= i:
-            raise ValueError(f"tree parents must precede children: node {i} has parent {p}")
+        if not -1 <= p < i:
+            raise ValueError(f"tree parents must precede children (-1: the root): node {i} has parent {p}")
         depth_list.append(1 if p < 0 else depth_list[p] + 1)
     return torch.tensor(depth_list, dtype=torch.long, device=parents.device)
 

@@ -44,5 +44,7 @@ mkdir -p "$path/evospec"
 for entry in "$root"/evospec/*; do ln -s "$entry" "$path/evospec/"; done
 for sub in bench kernels loadtest orchestration services; do ln -s "$root/$sub" "$path/evospec/$sub"; done
 ln -s "$root/client/evospec_client" "$path/evospec_client"
-export PYTHONPATH="$path:$PYTHONPATH" PYTHONUNBUFFERED=1
+# PYTHONSAFEPATH: `python3 -m` would otherwise put the repo root first on the path, where ./evospec lacks the
+# subpackages the links add (evospec.bench, ...).
+export PYTHONPATH="$path${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1
 exec python3 -m evospec.bench.gpu_check "$@"

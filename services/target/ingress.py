@@ -237,14 +237,19 @@ def _fail_fast_without_replicas() -> None:
             return TARGET_RESTARTING
 
     def has_no_replica(router) -> bool:
-        request_router = router.request_router  # None until Serve has told the router its deployment's config
-        return request_router is not None and len(request_router.curr_replicas) == 0
+        try:
+            request_router = router.request_router  # None until Serve has told the router its deployment's config
+            return request_router is not None and len(request_router.curr_replicas) == 0
+        except Exception:  # noqa: BLE001 - a Ray upgrade renamed something: wait as Serve does
+            return False
 
     async def route_or_fail(self, pending_request, response_id):
         routing = asyncio.ensure_future(original(self, pending_request, response_id))
         try:
             await until_done_or_no_replicas(routing, lambda: has_no_replica(self))
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the caller gave up: withdraw the routing, or the request it already sent
+            if routing.done() and not routing.cancelled() and routing.exception() is None:
+                routing.result().cancel()
             routing.cancel()
             raise
         if not routing.done():

@@ -367,10 +367,19 @@ class RemoteMuxDrafter:
 
 
 def checked_tree(tree: DraftTree, params: TreeParams) -> DraftTree:
-    """A tree from another process, checked before the target forwards it: shapes agree, parents precede children,
-    and it is no larger than the shape asked for."""
+    """A tree from another process, checked before the target forwards it: shapes agree, parents precede children
+    (or are the root, -1), draft distributions belong to its nodes and match its active set, and it is no larger
+    than the shape asked for. (Batched verification indexes every tree's rows in one flat layout, so a tree that
+    broke these would reach other requests' rows.)"""
     if tree.parents.shape != tree.token_ids.shape:
         raise ValueError(f"tree has {tree.size} tokens but {tree.parents.shape[0]} parents")
+    if tree.draft_probs:
+        stray = [k for k in tree.draft_probs if not -1 <= k < tree.size]
+        if stray:
+            raise ValueError(f"draft distributions for nodes {stray[:3]} of a {tree.size}-node tree")
+        width = None if tree.active_ids is None else tree.active_ids.shape[-1]
+        if any(q.shape[-1] != width for q in tree.draft_probs.values()):
+            raise ValueError(f"draft distributions do not match the {width} active ids")
     if tree.size > params.max_nodes:
         raise ValueError(f"tree of {tree.size} nodes; at most {params.max_nodes} were asked for")
     if tree.depth > params.levels:

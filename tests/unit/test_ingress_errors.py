@@ -101,11 +101,18 @@ def router_that_waits(monkeypatch, wait_s: float):
 
 def test_a_call_without_any_replica_fails_unavailable_within_a_second(monkeypatch):
     choose, seen = router_that_waits(monkeypatch, wait_s=30)
+
+    async def call():
+        try:
+            await choose(FakeRouter({}), None, "id")
+        finally:
+            await asyncio.sleep(0)  # let the withdrawn routing task see its cancellation
+            seen["cancelled_before_return"] = seen["cancelled"]
     start = time.monotonic()
     with pytest.raises(DeploymentUnavailableError) as failed:
-        asyncio.run(choose(FakeRouter({}), None, "id"))
+        asyncio.run(call())
     assert time.monotonic() - start < 1.0
-    assert seen["cancelled"]  # Serve's choice is withdrawn: the call leaves its queue
+    assert seen["cancelled_before_return"]  # Serve's routing is withdrawn: the call leaves its queue
     status = status_for(failed.value)
     assert (status.code, status.message) == (grpc.StatusCode.UNAVAILABLE, TARGET_RESTARTING)
     from ray.serve._private.http_util import get_http_response_status
@@ -117,6 +124,20 @@ def test_a_call_queued_behind_busy_replicas_is_not_failed(monkeypatch):
     choose, seen = router_that_waits(monkeypatch, wait_s=1.2)  # longer than the grace
     assert asyncio.run(choose(FakeRouter({"r1": object()}), None, "id")) == "replica-1"
     assert not seen["cancelled"]
+
+
+def test_a_caller_giving_up_withdraws_the_routing(monkeypatch):
+    choose, seen = router_that_waits(monkeypatch, wait_s=30)
+
+    async def give_up():
+        call = asyncio.ensure_future(choose(FakeRouter({"r1": object()}), None, "id"))
+        await asyncio.sleep(0.2)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        await asyncio.sleep(0)
+        return seen["cancelled"]
+    assert asyncio.run(give_up())
 
 
 def test_a_router_not_yet_configured_is_not_failed(monkeypatch):

@@ -40,6 +40,8 @@ def test_depths_and_ancestor_mask():
 def test_parents_must_precede_children():
     with pytest.raises(ValueError, match="precede"):
         tree_depths(torch.tensor([-1, 2, 0]))
+    with pytest.raises(ValueError, match="precede"):
+        tree_depths(torch.tensor([-1, -2]))  # below the root: would index another tree's rows in a batch
 
 
 def test_chain_then_tree_mask_and_positions():

@@ -9,8 +9,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
+from evospec.config import SamplingParams
 from evospec.sampling import logits_to_probs
 from evospec.testing import VERIFY_VOCAB, random_batch
+from evospec.tree import DraftTree
 from evospec.verify import verify_batch, verify_greedy, verify_on_device, verify_stochastic
 
 VOCAB = VERIFY_VOCAB
@@ -105,6 +107,44 @@ def test_the_counter_sees_a_per_node_item():
     with counter:
         verify_stochastic(trees[i], logits_to_probs(rows[i], samplings[i]), torch.Generator().manual_seed(0))
     assert len(counter.calls) > 2
+
+
+def edge_tree(tokens, parents, q_root, q_nodes=None):
+    tree = DraftTree(torch.tensor(tokens), torch.tensor(parents))
+    tree.active_ids = torch.arange(VOCAB)
+    tree.draft_probs = {-1: q_root, **(q_nodes or {})}
+    return tree
+
+
+def one_hot_mass(tokens, vocab=VOCAB):
+    q = torch.zeros(vocab)
+    q[tokens] = 1.0 / len(tokens)
+    return q
+
+
+@pytest.mark.parametrize("case", ["draft_mass_exhausted", "repeated_sampled_sibling", "draft_equals_target"])
+def test_edge_cases_of_rejection_sampling_match_the_reference(case):
+    """Paths random batches rarely reach: the draft's mass used up by rejected children (the reference stops trying
+    and draws the bonus), a sampled sibling repeated (its q is then 0), and a target equal to the draft."""
+    target = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(5)) * 2
+    if case == "draft_mass_exhausted":  # q only on the two children, the target mostly elsewhere
+        tree = edge_tree([3, 4, 5], [-1, -1, -1], one_hot_mass([3, 4]))  # 5: tried after q is used up
+    elif case == "repeated_sampled_sibling":
+        tree = edge_tree([3, 3, 4], [-1, -1, -1], one_hot_mass([3, 4]))
+    else:
+        q = torch.softmax(target[0], -1)
+        tree = edge_tree([int(q.argmax()), 7], [-1, 0], q, {0: one_hot_mass([7])})
+    rows = torch.cat([target, torch.randn(tree.size, VOCAB, generator=torch.Generator().manual_seed(6))])
+    sampling = SamplingParams(temperature=1.0)
+    outcomes = set()
+    for seed in range(300):
+        got = verify_on_device([tree], rows, [sampling], [torch.Generator().manual_seed(seed)])[0]
+        assert got == verify_stochastic(tree, logits_to_probs(rows, sampling), torch.Generator().manual_seed(seed))
+        outcomes.add(len(got.accepted_nodes))
+    if case == "draft_equals_target":
+        assert 0 not in outcomes  # the root's child is always accepted (r == q)
+    else:
+        assert 0 in outcomes  # every child rejected happened (the exhausted / repeated paths ran)
 
 
 def test_rows_must_match_the_trees():
