@@ -116,7 +116,7 @@ def test_batched_verification_on_cuda_synchronises_once_and_walks_greedy_as_the_
             got = verify_on_device(trees, logits, samplings, gens)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    assert len([w for w in caught if "synchroniz" in str(w.message)]) <= 1
+    assert len([w for w in caught if "synchroniz" in str(w.message)]) == 1  # the outcome's one copy
     for result, tree, sampling, r in zip(got, trees, samplings, rows):
         if sampling.greedy:
             assert result == verify_greedy(tree, r)

@@ -147,6 +147,22 @@ def test_edge_cases_of_rejection_sampling_match_the_reference(case):
         assert 0 in outcomes  # every child rejected happened (the exhausted / repeated paths ran)
 
 
+def test_a_remote_tree_that_would_reach_other_rows_is_refused():
+    """Batched verification indexes every tree's rows in one layout: the target refuses, per session, a tree from
+    the draft process whose parents or draft distributions point outside it."""
+    from evospec.config import TreeParams
+    from evospec.services.target.remote_draft import checked_tree
+    params = TreeParams(shape="tree", depth=4, branching=2, budget=8)
+    with pytest.raises(ValueError, match="precede"):
+        checked_tree(DraftTree(torch.tensor([3, 4]), torch.tensor([-1, -2])), params)
+    with pytest.raises(ValueError, match="nodes \\[5\\]"):
+        checked_tree(edge_tree([3, 4], [-1, 0], one_hot_mass([3]), {5: one_hot_mass([4])}), params)
+    with pytest.raises(ValueError, match="active ids"):
+        checked_tree(edge_tree([3, 4], [-1, 0], one_hot_mass([3]), {0: torch.ones(7) / 7}), params)
+    tree = edge_tree([3, 4], [-1, 0], one_hot_mass([3]), {0: one_hot_mass([4])})
+    assert checked_tree(tree, params) is tree
+
+
 def test_rows_must_match_the_trees():
     trees, samplings, rows = random_batch(1, 3, 4)
     for verify in (verify_batch, verify_on_device):
