@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 WHEELS=(pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 protobuf==7.36.2
-        grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 pyyaml==6.0.3)
+        grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 pyyaml==6.0.3 typing-extensions==4.16.0)
 
 case "${1:-}" in
   --prepare-wheels)
