@@ -30,7 +30,6 @@ import platform
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -205,25 +204,9 @@ def verify_syncs(device: torch.device) -> dict:
     counted by CUDA's sync debug mode (each synchronising call warns)."""
     if device.type != "cuda":
         return {"skipped": "no GPU: counted on the CPU by tests/unit/test_verify_batch.py"}
-    from evospec.testing import random_batch
-    from evospec.verify import verify_on_device
-    trees, samplings, rows = random_batch(7, 8, 8)
-    logits = torch.cat(rows).to(device)
-    gens = [torch.Generator(device=device).manual_seed(i) for i in range(len(trees))]
-    for tree in trees:
-        tree.draft_probs = {k: v.to(device) for k, v in tree.draft_probs.items()}
-        tree.active_ids = tree.active_ids.to(device) if tree.active_ids is not None else None
-    verify_on_device(trees, logits, samplings, gens)  # warm-up
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            verify_on_device(trees, logits, samplings, gens)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
-    return {"per_step": len(syncs), "calls": syncs[:8], "requests": len(trees)}
+    from evospec.testing import verify_step_syncs
+    results, _, syncs = verify_step_syncs(device)
+    return {"per_step": len(syncs), "calls": syncs[:8], "requests": len(results)}
 
 
 def decoupled(out: Path) -> dict:

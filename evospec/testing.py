@@ -199,3 +199,29 @@ def random_batch(seed: int, requests: int, max_size: int):
         samplings.append(sampling)
         rows.append(target)
     return trees, samplings, rows
+
+
+def verify_step_syncs(device: str | torch.device, seed: int = 7):
+    """One batched verify step (`verify_on_device`, 8 requests, greedy and sampled) on a CUDA `device` under CUDA's
+    sync debug mode, after a warm-up. Returns (results, (trees, samplings, host logit rows), the messages of the
+    synchronising calls it warned about) (tests/gpu, bench/gpu_check.py)."""
+    import warnings
+
+    from evospec.verify import verify_on_device
+    trees, samplings, rows = random_batch(seed, 8, 8)
+    for tree in trees:
+        tree.draft_probs = {k: v.to(device) for k, v in tree.draft_probs.items()}
+        tree.active_ids = tree.active_ids.to(device) if tree.active_ids is not None else None
+    logits = torch.cat(rows).to(device)
+    gens = [torch.Generator(device=device).manual_seed(i) for i in range(len(trees))]
+    verify_on_device(trees, logits, samplings, gens)  # warm-up
+    torch.cuda.synchronize(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            results = verify_on_device(trees, logits, samplings, gens)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+    return results, (trees, samplings, rows), syncs

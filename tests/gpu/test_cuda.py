@@ -97,26 +97,10 @@ def test_decoupled_path_with_a_cuda_target():
 def test_batched_verification_on_cuda_synchronises_once_and_walks_greedy_as_the_reference():
     """verify_on_device with CUDA tensors: one host synchronisation per step (CUDA's sync debug mode warns on each),
     and greedy requests identical to the per-tree reference on the CPU (sampled ones draw from CUDA generators)."""
-    import warnings
-
-    from evospec.testing import random_batch
-    from evospec.verify import verify_greedy, verify_on_device
-    trees, samplings, rows = random_batch(7, 8, 8)
-    for tree in trees:
-        tree.draft_probs = {k: v.cuda() for k, v in tree.draft_probs.items()}
-        tree.active_ids = tree.active_ids.cuda() if tree.active_ids is not None else None
-    logits = torch.cat(rows).cuda()
-    gens = [torch.Generator(device="cuda").manual_seed(i) for i in range(len(trees))]
-    verify_on_device(trees, logits, samplings, gens)  # warm-up
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            got = verify_on_device(trees, logits, samplings, gens)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    assert len([w for w in caught if "synchroniz" in str(w.message)]) == 1  # the outcome's one copy
+    from evospec.testing import verify_step_syncs
+    from evospec.verify import verify_greedy
+    got, (trees, samplings, rows), syncs = verify_step_syncs("cuda")
+    assert len(syncs) == 1, syncs  # the outcome's one copy
     for result, tree, sampling, r in zip(got, trees, samplings, rows):
         if sampling.greedy:
             assert result == verify_greedy(tree, r)
