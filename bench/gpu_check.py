@@ -36,7 +36,7 @@ import torch
 
 from evospec.config import SamplingParams, SpecParams, TreeParams
 from evospec.model import Qwen3, Qwen3Config, Segment
-from evospec.model.qwen3 import synchronize
+from evospec.model.qwen3 import forward_seconds, synchronize
 from evospec.testing import random_qwen3, tiny_config
 
 # Hugging Face config.json of Qwen/Qwen3-1.7B and Qwen/Qwen3-4B (the fields a forward's cost depends on).
@@ -139,12 +139,13 @@ def step_models(report: dict, cpu: bool, device: torch.device, dtype: torch.dtyp
 
 @torch.inference_mode()
 def forward_costs(model: Qwen3, context: int, cpu: bool) -> dict:
-    """ms of one forward with the full LM head: by new tokens (batch 1) and by batch (one new token each)."""
+    """ms of one forward with the full LM head: by new tokens at batch 1 (the budget's own measurement,
+    `forward_seconds`), and by batch at one new token each (packed, as the scheduler runs a batch)."""
     tokens = (1, 2, 4, 8, 16, 32, 64)
     batches = (1, 2, 4, 8) if cpu else (1, 2, 4, 8, 16, 32)
-    caches = [prefilled_cache(model, context, max(tokens)) for _ in range(max(batches))]
+    caches = [prefilled_cache(model, context, 1) for _ in range(max(batches))]
+    by_tokens = {n: round(1000 * s, 3) for n, s in forward_seconds(model, tokens, context, with_head=True).items()}
     device = model.embed_tokens.weight.device
-    by_tokens = {n: best_ms(lambda n=n: forward([caches[0]], model, n), device) for n in tokens}
     by_batch = {b: best_ms(lambda b=b: forward(caches[:b], model, 1), device) for b in batches}
     return {"context": context, "by_new_tokens": by_tokens, "by_batch": by_batch}
 

@@ -332,9 +332,13 @@ BASE_BODIES = {"/v1/chat/completions": {"messages": [{"role": "user", "content":
                "/v1/completions": {"prompt": "hi", "max_tokens": 2}}
 
 
+def every_entry(catalogue: dict[str, list]) -> list[tuple]:
+    """(parameter, value) for every value of every parameter of a fuzz catalogue."""
+    return [(param, value) for param, values in catalogue.items() for value in values]
+
+
 @pytest.mark.parametrize("route", sorted(HTTP_ROUTES))
-@pytest.mark.parametrize("param, value", [(p, v) for p, values in HTTP_INVALID.items() for v in values],
-                         ids=lambda x: repr(x)[:24])
+@pytest.mark.parametrize("param, value", every_entry(HTTP_INVALID), ids=lambda x: repr(x)[:24])
 def test_every_invalid_parameter_is_a_4xx_naming_it_on_both_routes(stack, route, param, value):
     """The fuzz catalogue (orchestration/fuzz.py HTTP_INVALID), every entry on both routes."""
     app, _ = stack
@@ -344,8 +348,7 @@ def test_every_invalid_parameter_is_a_4xx_naming_it_on_both_routes(stack, route,
 
 
 @pytest.mark.parametrize("route", sorted(HTTP_ROUTES))
-@pytest.mark.parametrize("param, value", [(p, v) for p, values in HTTP_VALID.items() for v in values],
-                         ids=lambda x: repr(x)[:24])
+@pytest.mark.parametrize("param, value", every_entry(HTTP_VALID), ids=lambda x: repr(x)[:24])
 def test_valid_edges_are_served_on_both_routes(stack, route, param, value):
     app, _ = stack
     r = run(raw(app, "POST", route, {**BASE_BODIES[route], param: value}))
