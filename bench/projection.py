@@ -196,6 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--real-pair", type=Path, default=REAL_PAIR_RESULTS, help="`evospec bench real` JSON (τ per arm)")
     ap.add_argument("--hit", type=float, default=0.5, help="share of steps whose tree was pre-drafted")
     args = ap.parse_args(argv)
+    for option, path in (("--gpu-check", args.gpu_check), ("--real-pair", args.real_pair)):
+        if path is not None and not path.is_file():
+            ap.error(f"{option}: no file {path}")
     if args.gpu_check:
         print_gpu_table(from_gpu_check(json.loads(args.gpu_check.read_text()), measured_tau(args.real_pair),
                                        args.hit))
