@@ -46,6 +46,7 @@ class Cell:
     verify_ms_per_step: list[float] = field(default_factory=list)
     tau_first32: list[float] = field(default_factory=list)
     tau_after32: list[float] = field(default_factory=list)
+    acceptance_by_depth: list[list[float]] = field(default_factory=list)  # per repeat: P(a step accepts >= d)
     outputs: list[list[int]] | None = None
 
 
@@ -62,6 +63,13 @@ def summarize(values: list[float]) -> dict:
     if not values:
         return {}
     return {"min": round(min(values), 4), "median": round(statistics.median(values), 4), "max": round(max(values), 4)}
+
+
+def median_by_depth(repeats: list[list[float]]) -> list[float]:
+    """Per depth d (1-based position d - 1), the median over repeats of the share of steps that accepted at least d
+    drafted tokens (a repeat that never reached depth d counts 0)."""
+    depths = max(map(len, repeats))
+    return [round(statistics.median(r[d] if d < len(r) else 0.0 for r in repeats), 4) for d in range(depths)]
 
 
 def generate_in_process(decoder: SpeculativeDecoder, prompt: list[int], sampling: SamplingParams,
@@ -91,6 +99,10 @@ def run_arm(decoder: SpeculativeDecoder, arm: Arm, prompts: list[list[int]],
         if stats is not None:
             for name in SUMMED:
                 setattr(total, name, getattr(total, name) + getattr(stats, name))
+            for depth, count in enumerate(stats.accepted_per_pos):
+                if depth == len(total.accepted_per_pos):
+                    total.accepted_per_pos.append(0)
+                total.accepted_per_pos[depth] += count
         outputs.append(out)
         generated += len(out)
     elapsed = time.perf_counter() - start
@@ -107,6 +119,7 @@ def step_metrics(total: SpecStats) -> dict:
     hits = total.buffer_hits
     per_step = 1000 / total.steps
     return {"tau": total.tau, "alpha": total.alpha,
+            "acceptance_by_depth": [count / total.steps for count in total.accepted_per_pos],
             "head_share": total.draft_head_seconds / total.draft_seconds if total.draft_seconds else 0.0,
             "miss_rate": total.miss_rate,
             "recovered": hits / (hits + total.misses) if hits + total.misses else 0.0,
@@ -153,6 +166,8 @@ def finalize(cells, arms, prompt_sets, samplings) -> dict:
             for arm in arms:
                 c = cells[(set_name, temp_name, arm.name)]
                 entry = {m: summarize(getattr(c, m)) for m in METRICS}
+                if c.acceptance_by_depth:
+                    entry["acceptance_by_depth"] = median_by_depth(c.acceptance_by_depth)
                 if ar_tps:
                     entry["speedup_vs_ar"] = round(statistics.median(c.tokens_per_s) / ar_tps, 3)
                 if sampling.greedy and ar is not None:
