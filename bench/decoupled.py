@@ -1,13 +1,17 @@
 """What decoupling costs and what overlap wins back: the same methods and prompts, side by side in one run, three ways.
 
     evospec bench decoupled [--pair tiny|qwen2.5-coder] [--repeats 3] [--prompts 4] [--max-tokens 48]
-                            [--concurrency 1 8] [--methods sd frspec evospec] [--breakdown]
+                            [--concurrency 1 8] [--methods sd frspec evospec] [--breakdown] [--transport local]
 
 - in-process: both models in this process, one continuous-batching scheduler (the service's engine) with its draft
   in process, torch on every core;
 - decoupled: the service (Ray Serve + gRPC), draft and target in their own replicas, no pre-drafting;
 - overlap: the same service with pre-drafting (the draft drafts the likeliest outcomes' next trees while the target
   verifies; docs/decoupled.md).
+
+`--transport local` runs decoupled and overlap without Ray (where Ray is not installed, e.g. scripts/gpu_check.sh on a
+GPU image): the draft replica in its own process behind the same speculation stream, the target replica's engine in
+this process, requests handed to that engine directly (so the public API's cost is not in its figures).
 
 Both sides load the models from the same service config (orchestration/configs/cpu-<pair>.yaml). Each repeat runs
 every (method, concurrency) cell in each mode, interleaved; repeat 0 warms up and is not recorded. Greedy, so every
@@ -19,11 +23,14 @@ pre-drafted. Writes results/bench_decoupled/bench_decoupled.{json,md} and decoup
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import secrets
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -33,7 +40,7 @@ from evospec.bench.projection import from_profile
 from evospec.bench.prompts import PROMPT_SETS
 from evospec.config import METHODS, SamplingParams, SpecParams
 from evospec.engine.profile import DRAFT_PARTS, HIDDEN_PARTS, STEP_SPANS, ms_per_step
-from evospec.loading import apply_torch_threads, load_pair
+from evospec.loading import LoadedPair, apply_torch_threads, load_pair, load_static_ids
 from evospec.modelstore.catalog import pair_names
 from evospec.tokenizer import chat_prompt_ids
 
@@ -44,18 +51,19 @@ MODES = ("in-process", "decoupled", "overlap")
 
 
 def run_in_process(scheduler, prompts: list[list[int]], max_tokens: int, method: str,
-                   cpus: set[int] | None = None) -> dict:
-    """Every prompt submitted at once to an in-process scheduler, stepped until idle (on `cpus` when given)."""
+                   cpus: set[int] | None = None, predraft: bool = True) -> dict:
+    """Every prompt submitted at once to a scheduler in this process, stepped until idle (on `cpus` when given).
+    The scheduler's draft is in process, or remote (the local transport's draft replica process)."""
     allowed = os.sched_getaffinity(0)
     if cpus:
         os.sched_setaffinity(0, cpus)
     try:
-        return _run_in_process(scheduler, prompts, max_tokens, method)
+        return _run_in_process(scheduler, prompts, max_tokens, method, predraft)
     finally:
         os.sched_setaffinity(0, allowed)
 
 
-def _run_in_process(scheduler, prompts: list[list[int]], max_tokens: int, method: str) -> dict:
+def _run_in_process(scheduler, prompts: list[list[int]], max_tokens: int, method: str, predraft: bool) -> dict:
     from evospec.engine.scheduler import Finished, TokensOut
     outputs = [[] for _ in prompts]
     stats = [None] * len(prompts)
@@ -72,10 +80,54 @@ def _run_in_process(scheduler, prompts: list[list[int]], max_tokens: int, method
     scheduler.profile.reset()
     start = time.perf_counter()
     for i, p in enumerate(prompts):
-        scheduler.submit(p, SamplingParams(max_tokens=max_tokens), SpecParams(method=method), sink_for(i))
+        scheduler.submit(p, SamplingParams(max_tokens=max_tokens), SpecParams(method=method, predraft=predraft),
+                         sink_for(i))
     scheduler.run_until_idle()
     wall = time.perf_counter() - start
     return {"wall": wall, "outputs": outputs, "stats": stats, "profile": scheduler.profile.as_dict()}
+
+
+# A decoupled run: (conversations, their prompt ids, max tokens, method, pre-drafting) -> a run's figures.
+RunDecoupled = Callable[[list[list[dict]], list[list[int]], int, str, bool], dict]
+
+
+@contextlib.contextmanager
+def serve_transport(cfg: "AppConfig") -> Iterator[RunDecoupled]:
+    """The service as deployed (Ray Serve, a private local cluster), called through its public gRPC API."""
+    from ray import serve
+
+    from evospec.orchestration.local import local_service
+    from evospec_client import EvoSpecClient
+    with local_service(cfg) as address, EvoSpecClient(address, timeout=600) as client:
+        client.wait_ready()
+        target = serve.get_deployment_handle("Target", cfg.app_name)
+        yield lambda convs, _, max_tokens, method, predraft: run_service(client, target, convs, max_tokens, method,
+                                                                         predraft)
+
+
+@contextlib.contextmanager
+def local_transport(cfg: "AppConfig", pair: LoadedPair) -> Iterator[RunDecoupled]:
+    """The decoupled data plane without Ray: the draft replica in its own process behind the speculation stream
+    (orchestration/draft_process.py), the target replica's engine (the service's scheduler with its remote drafter)
+    in this process on `pair`'s target model. Requests go straight to that engine: no public API, no Serve proxy."""
+    from evospec.orchestration.draft_process import local_draft_replica
+    from evospec.services.target.draft_link import DraftReplicas
+    from evospec.services.target.server import remote_draft_scheduler
+    secret = secrets.token_urlsafe(32)
+    draft_cfg = cfg.draft.model_copy(update={"internal": cfg.draft.internal.model_copy(update={"secret": secret})})
+    link = cfg.target.draft_link.model_copy(update={"secret": secret, "replicas": 1})
+    with local_draft_replica(draft_cfg) as address:
+        pool = DraftReplicas(lambda: [address], link)
+        try:
+            if not pool.wait_healthy(1, timeout_s=60):
+                raise RuntimeError(f"the local draft replica at {address} did not answer its health check in 60 s")
+            _, sha = load_static_ids(cfg.target.static_vocab)
+            scheduler = remote_draft_scheduler(pair.decoder.target.model, pair.stop_ids,
+                                               pair.decoder.policies.static_ids, sha, cfg.target, pool)
+            yield lambda _, prompts, max_tokens, method, predraft: run_in_process(scheduler, prompts, max_tokens,
+                                                                                  method, predraft=predraft)
+        finally:
+            pool.close()
 
 
 def run_service(client, target, convs: list[list[dict]], max_tokens: int, method: str, predraft: bool) -> dict:
@@ -214,13 +266,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stream-interval", type=int, help="tokens per streamed message (target.public.stream_interval)")
     ap.add_argument("--full-trees", action="store_true",
                     help="draft every request's full tree each step (scheduler.adaptive off) on both sides")
+    ap.add_argument("--transport", choices=["serve", "local"], default="serve",
+                    help="serve: the service on Ray Serve through its public gRPC API; local: no Ray, the draft "
+                         "replica in its own process, the target's engine in this one (the data plane alone)")
     ap.add_argument("--out", type=Path, default=Path("results/bench_decoupled"))
     args = ap.parse_args(argv)
-    from ray import serve
-
+    if args.transport == "local" and (args.target_cpus or args.target_threads):
+        ap.error("--target-cpus/--target-threads: with --transport local the target runs in this process "
+                 "(use --in-process-cpus/--in-process-threads)")
     from evospec.engine.scheduler import Scheduler
-    from evospec.orchestration.local import local_service
-    from evospec_client import EvoSpecClient
 
     cfg = service_config(args)
     apply_torch_threads(args.in_process_threads)  # this process' models (the service's replicas have their own)
@@ -230,9 +284,8 @@ def main(argv: list[str] | None = None) -> None:
     convs_all = PROMPT_SETS["medical"](max(args.prompts, max(args.concurrency)))
     cells: dict[tuple[str, int], dict[str, list[dict]]] = {}
     mismatches: Counter = Counter()  # "mode method c=..." -> greedy outputs that differ from in-process
-    with local_service(cfg) as address, EvoSpecClient(address, timeout=600) as client:
-        client.wait_ready()
-        target = serve.get_deployment_handle("Target", cfg.app_name)
+    transport = local_transport(cfg, pair) if args.transport == "local" else serve_transport(cfg)
+    with transport as run_decoupled:
         for rep in range(args.repeats + 1):  # repeat 0 warms every path up and is not recorded
             for c in args.concurrency:
                 convs = [convs_all[i % len(convs_all)] for i in range(max(c, args.prompts if c == 1 else c))]
@@ -244,8 +297,8 @@ def main(argv: list[str] | None = None) -> None:
                         runs["in-process"].append(run_in_process(scheduler, prompts, args.max_tokens, method,
                                                                  set(args.in_process_cpus or ())))
                         for mode in MODES[1:]:
-                            runs[mode].append(run_service(client, target, chunk, args.max_tokens, method,
-                                                          predraft=mode == "overlap"))
+                            runs[mode].append(run_decoupled(chunk, prompts, args.max_tokens, method,
+                                                            mode == "overlap"))
                     for mode, parts in runs.items():
                         merged = merge(parts)
                         mismatches[f"{mode} {method} c={c}"] += sum(

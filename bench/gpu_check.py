@@ -5,20 +5,24 @@ models on the CPU, so it never rots (CI runs `scripts/gpu_check.sh --cpu`).
     scripts/gpu_check.sh --cpu      # the same steps with the tiny shapes, float32, on the CPU
 
 Nothing is downloaded: the production shapes come from the models' published configs (`SHAPES`) with random
-weights (a forward's cost depends on the shapes, not on the values). Acceptance is not random, though: the
-projection (bench/projection.py `from_gpu_check`) multiplies these step costs by the real pair's measured τ per
-method. Steps, each recorded in gpu_check.json (a step that fails is recorded with its error; the others still run):
+weights (a forward's cost depends on the shapes, not on the values). Acceptance is not random, though: the engine
+steps replay the real pair's measured acceptance by depth (bench/replay.py), so each step commits as many tokens as
+the real pair's would, and the projection (bench/projection.py `from_gpu_check`) reads cost and τ from the same run.
+Steps, each recorded in gpu_check.json (a step that fails is recorded with its error; the others still run):
 
 1. environment: the device, torch and CUDA versions, the CPU's capability;
 2. tests/gpu (pytest: skipped without CUDA);
 3. forward: ms of one target and one draft forward (full LM head) by new tokens at batch 1, and by batch at one new
    token per sequence, after a `context`-token prefix;
-4. engine: ms per step of `ar`, `sd`, `frspec` 32k and `evospec` 32k+256, chain and tree (the shapes whose τ the
-   real pair measured: results/bench_real_greedy), in process, both models on one device, trees of fixed shape;
+4. engine: ms per step, τ and tokens/s of `ar`, `sd`, `frspec` 32k and `evospec` 32k+256, chain and tree (the
+   shapes whose acceptance the real pair measured: results/acceptance_real), in process, both models on one device,
+   trees of fixed shape, acceptance replayed;
 5. verify: host synchronisations per batched verify step (torch.cuda.set_sync_debug_mode on a GPU; on a CPU the
    count is the unit test's, tests/unit/test_verify_batch.py);
-6. decoupled (GPU only): `evospec bench decoupled` on the tiny pair with both deployments sharing the GPU
-   (orchestration/configs/gpu-tiny.yaml), against the same engine in process: the transport's cost per step.
+6. decoupled: `evospec bench decoupled --full-trees` on the tiny pair, draft and target sharing the device
+   (orchestration/configs/gpu-tiny.yaml; cpu-tiny.yaml with --cpu, one short cell), against the same engine in
+   process: the transport's cost per step. Through Ray Serve where Ray is installed, else `--transport local` (the
+   GPU image has no Ray): the draft replica in its own process behind the same speculation stream.
 Writes gpu_check.json and gpu_check.md under --out ($OUT, else results/gpu/).
 """
 from __future__ import annotations
@@ -34,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from evospec.bench.replay import ACCEPTANCE_RESULTS, ReplayedAcceptance, measured_acceptance, replayed
 from evospec.config import SamplingParams, SpecParams, TreeParams
 from evospec.model import Qwen3, Qwen3Config, Segment
 from evospec.model.qwen3 import forward_seconds, synchronize
@@ -73,11 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         context = 32 if args.cpu else 512
         report["forward_ms"] = step(lambda: {"target": forward_costs(target, context, args.cpu),
                                              "draft": forward_costs(draft, context, args.cpu)})
-        report["engine_ms_per_step"] = step(lambda: engine_steps(target, draft, max_tokens=16 if args.cpu else 48))
+        report["engine_ms_per_step"] = step(lambda: engine_steps(target, draft, max_tokens=16 if args.cpu else 96))
         del target, draft
     report["verify_host_syncs"] = step(lambda: verify_syncs(device))
-    report["decoupled"] = ({"skipped": "--cpu: the service on the CPU is measured by tests/e2e and bench decoupled"}
-                           if args.cpu else step(lambda: decoupled(args.out)))
+    report["decoupled"] = step(lambda: decoupled(args.out, args.cpu))
     report["elapsed_s"] = round(time.monotonic() - start, 1)
     write(report, args.out)
     failed = [name for name, part in report.items() if isinstance(part, dict) and "error" in part]
@@ -177,27 +181,41 @@ def best_ms(fn, device: torch.device, repeats: int = 3) -> float:
 
 
 def engine_steps(target: Qwen3, draft: Qwen3, max_tokens: int) -> dict:
-    """ms per engine step of each method and tree shape (greedy, ignore_eos, one request), in process."""
+    """ms per engine step, τ and tokens/s of each method and tree shape (greedy, ignore_eos, one request), in
+    process, with the real pair's acceptance by depth replayed (bench/replay.py)."""
+    from evospec.bench.projection import ARMS
     from evospec.engine.generate import SpeculativeDecoder
     decoder = SpeculativeDecoder(target, draft, static_ids=torch.arange(32768))
     prompt = [(31 * i + 7) % target.cfg.vocab_size for i in range(64)]
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    acceptance = measured_acceptance()
     rows = []
     for method in METHODS:
         for tree in (CHAIN,) if method == "ar" else (CHAIN, TREE):
-            spec = SpecParams(method=method, tree=tree)
-            list(decoder.generate(prompt, sampling, spec))  # warm-up (first calls choose kernels)
-            device = target.embed_tokens.weight.device
-            synchronize(device)
-            t0 = time.perf_counter()
-            gen = decoder.generate(prompt, sampling, spec)
-            list(gen)
-            synchronize(device)
-            seconds = time.perf_counter() - t0
-            rows.append({"method": method, "tree": "none" if method == "ar" else tree.shape,
-                         "ms_per_step": round(1000 * seconds / max(1, gen.stats.steps), 3),
-                         "steps": gen.stats.steps, "tokens": len(gen.output_ids)})
-    return {"max_tokens": max_tokens, "chain": CHAIN.model_dump(), "tree": TREE.model_dump(), "rows": rows}
+            shape = "none" if method == "ar" else tree.shape
+            replay = ReplayedAcceptance(acceptance.get(ARMS[(method, shape)], []))
+            levels = 0 if method == "ar" else (tree.depth if shape == "tree" else tree.num_draft_tokens)
+            with replayed(replay):
+                rows.append({"method": method, "tree": shape, "replayed_acceptance": replay.by_depth,
+                             "expected_tau": round(replay.expected_tau(levels), 4),
+                             **timed_generation(decoder, prompt, sampling, SpecParams(method=method, tree=tree))})
+    return {"max_tokens": max_tokens, "chain": CHAIN.model_dump(), "tree": TREE.model_dump(),
+            "acceptance_source": str(ACCEPTANCE_RESULTS), "rows": rows}
+
+
+def timed_generation(decoder, prompt: list[int], sampling: SamplingParams, spec: SpecParams) -> dict:
+    """One generation after an untimed one (first calls choose kernels), timed to the device's end."""
+    list(decoder.generate(prompt, sampling, spec))
+    device = decoder.target.device
+    synchronize(device)
+    t0 = time.perf_counter()
+    gen = decoder.generate(prompt, sampling, spec)
+    list(gen)
+    synchronize(device)
+    seconds = time.perf_counter() - t0
+    return {"ms_per_step": round(1000 * seconds / max(1, gen.stats.steps), 3), "steps": gen.stats.steps,
+            "tokens": len(gen.output_ids), "tau": round(gen.stats.tau, 3),
+            "tokens_per_s": round(len(gen.output_ids) / seconds, 2)}
 
 
 def verify_syncs(device: torch.device) -> dict:
@@ -210,18 +228,22 @@ def verify_syncs(device: torch.device) -> dict:
     return {"per_step": len(syncs), "calls": syncs[:8], "requests": len(results)}
 
 
-def decoupled(out: Path) -> dict:
-    """`evospec bench decoupled` on the tiny pair, the two deployments sharing this GPU (a few minutes). Needs Ray,
-    which the GPU machine's image lacks and whose wheel is over what can be carried there: skipped then."""
+def decoupled(out: Path, cpu: bool) -> dict:
+    """`evospec bench decoupled --full-trees` on the tiny pair, draft and target sharing this device (a few minutes on
+    a GPU; one short cell with --cpu, so the path never rots). Through Ray Serve where Ray is installed; else (the GPU
+    image: Ray's wheel is over what a device run can carry) `--transport local`, the same speculation stream."""
     import importlib.util
-    if importlib.util.find_spec("ray") is None:
-        return {"skipped": "ray is not installed here (its wheel is over the 64 MiB a device run can carry)"}
-    bench_args = ["--pair", "tiny", "--config", "orchestration/configs/gpu-tiny.yaml", "--repeats", "2",
-                  "--prompts", "2", "--max-tokens", "32", "--concurrency", "1", "4", "--breakdown",
-                  "--out", str(out / "decoupled")]
+    # With --cpu: local always (the service through Serve on a CPU is tests/e2e's and bench decoupled's).
+    transport = "local" if cpu or importlib.util.find_spec("ray") is None else "serve"
+    size = (["--repeats", "1", "--prompts", "1", "--max-tokens", "12", "--concurrency", "1", "--methods", "evospec"]
+            if cpu else ["--repeats", "2", "--prompts", "2", "--max-tokens", "32", "--concurrency", "1", "4"])
+    config = "orchestration/configs/" + ("cpu-tiny.yaml" if cpu else "gpu-tiny.yaml")
+    bench_args = ["--pair", "tiny", "--config", config, "--transport", transport,
+                  "--full-trees", "--breakdown", *size, "--out", str(out / "decoupled")]
     proc = subprocess.run([sys.executable, "-c", f"from evospec.bench.decoupled import main; main({bench_args!r})"],
                           capture_output=True, text=True, timeout=360)
-    result = {"rc": proc.returncode, "json": str(out / "decoupled" / "bench_decoupled.json")}
+    result = {"rc": proc.returncode, "transport": transport,
+              "json": str(out / "decoupled" / "bench_decoupled.json")}
     if proc.returncode != 0:
         result["error"] = (proc.stderr or proc.stdout)[-2000:]
     return result
@@ -255,9 +277,10 @@ def markdown(report: dict) -> str:
         lines.append("")
     engine = report.get("engine_ms_per_step", {})
     if "rows" in engine:
-        lines += ["## Engine ms per step (in process, one request, fixed trees)", "", "| method | tree | ms/step |",
-                  "|---|---|---|"]
-        lines += [f"| {r['method']} | {r['tree']} | {r['ms_per_step']:.2f} |" for r in engine["rows"]]
+        lines += ["## Engine steps (in process, one request, fixed trees, the real pair's acceptance replayed)", "",
+                  "| method | tree | ms/step | τ | tok/s |", "|---|---|---|---|---|"]
+        lines += [f"| {r['method']} | {r['tree']} | {r['ms_per_step']:.2f} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} |"
+                  for r in engine["rows"]]
         lines.append("")
     errors = {k: v["error"] for k, v in report.items() if isinstance(v, dict) and "error" in v}
     if errors:

@@ -13,10 +13,10 @@ forward); tau: tokens committed per step. Throughput = tau / t (tokens per secon
 
 `from_profile` reads the terms from a measured step profile (evospec/engine/profile.py), so the model can be checked
 against what `evospec bench decoupled` measured. `from_gpu_check` reads them from scripts/gpu_check.sh's JSON
-(forward costs and engine steps of the Qwen3-1.7B/4B shapes) and the real pair's measured τ per method, and gives the
-seed table's rows (AR, SD, FR-Spec 32k, EvoSpec 32k+256; co-located, decoupled, decoupled with overlap), saying which
-inputs were measured on a GPU. Without that JSON, `h200_projection` applies the model to published H200 costs
-(docs/decoupled.md).
+(forward costs, and engine steps of the Qwen3-1.7B/4B shapes with the real pair's acceptance replayed, so each arm's
+τ is measured in the same run as its cost), and gives the seed table's rows (AR, SD, FR-Spec 32k, EvoSpec
+32k+256; co-located, decoupled, decoupled with overlap), saying which inputs were measured on a GPU. Without that
+JSON, `h200_projection` applies the model to published H200 costs (docs/decoupled.md).
 
     python -m evospec.bench.projection [--gpu-check results/gpu/gpu_check.json]
 """
@@ -94,19 +94,11 @@ def h200_projection(hits: tuple[float, ...] = (0.5, 0.7), depths: tuple[int, ...
     return rows
 
 
-# The real pair's τ per arm of results/bench_real_greedy (Qwen2.5-Coder 0.5B -> 1.5B, medical, greedy; chain of 4 and
-# tree depth 4 x branching 2, budget 8: the shapes scripts/gpu_check.sh times).
-REAL_PAIR_RESULTS = Path("results/bench_real_greedy/bench_real.json")
+# gpu_check's (method, tree) rows by the arm names of `evospec bench real` (whose acceptance they replay).
 ARMS = {("ar", "none"): "ar", ("sd", "chain"): "sd", ("sd", "tree"): "sd-tree", ("frspec", "chain"): "frspec-32k",
         ("frspec", "tree"): "frspec-32k-tree", ("evospec", "chain"): "evospec-32k+256",
         ("evospec", "tree"): "evospec-32k+256-tree"}
 CPU_TRANSPORT_MS = 0.4  # one internal round trip's codec and gRPC, measured on CPU (docs/decoupled.md)
-
-
-def measured_tau(path: Path = REAL_PAIR_RESULTS, cell: str = "medical/greedy") -> dict[str, float]:
-    """Median τ per arm of a `evospec bench real` run."""
-    arms = json.loads(path.read_text())["results"][cell]
-    return {arm: v["tau"]["median"] for arm, v in arms.items() if v.get("tau")}
 
 
 def interpolate(ms_by_size: dict, size: float) -> float:
@@ -121,11 +113,12 @@ def interpolate(ms_by_size: dict, size: float) -> float:
     return yb + (yb - ya) * (size - b) / (b - a)
 
 
-def from_gpu_check(check: dict, tau: dict[str, float], hit: float = 0.5) -> dict:
-    """Rows of the seed table from gpu_check.json: per arm, ms per step and tokens/s co-located (measured: both
-    models in one process on one device), decoupled (modelled: the target's verify forward + the draft's levels +
-    transport + the engine's bookkeeping, each model on its own device) and with overlap (pre-drafting hides
-    drafting on `hit` of the steps)."""
+def from_gpu_check(check: dict, hit: float = 0.5) -> dict:
+    """Rows of the seed table from gpu_check.json: per arm, τ (the expectation of the real pair's acceptance by
+    depth that the engine run replayed), ms per step and tokens/s co-located (measured: both models in one process
+    on one device), decoupled (modelled: the target's verify forward + the draft's levels + transport + the engine's
+    bookkeeping, each model on its own device) and with overlap (pre-drafting hides drafting on `hit` of the
+    steps)."""
     engine, forward = check["engine_ms_per_step"], check["forward_ms"]
     transport, transport_source = decoupled_transport(check)
     rows = []
@@ -139,10 +132,10 @@ def from_gpu_check(check: dict, tau: dict[str, float], hit: float = 0.5) -> dict
         verify = interpolate(forward["target"]["by_new_tokens"], 1 + nodes)
         other = max(0.0, row["ms_per_step"] - verify - levels * f)  # the engine's own work, as measured co-located
         costs = StepCosts(verify=verify, draft=levels * f, transport=transport if levels else 0.0,
-                          predraft=(levels + 1) * f, draft_forward=f, tau=tau[arm], hit=hit if levels else 0.0,
-                          other=other)
+                          predraft=(levels + 1) * f, draft_forward=f, tau=row["expected_tau"],
+                          hit=hit if levels else 0.0, other=other)
         decoupled, overlap = costs.decoupled_ms(), costs.overlap_ms()
-        rows.append({"arm": arm, "tau": tau[arm], "colocated_ms": row["ms_per_step"],
+        rows.append({"arm": arm, "tau": row["expected_tau"], "colocated_ms": row["ms_per_step"],
                      "colocated_tok_s": costs.tokens_per_s(row["ms_per_step"]),
                      "decoupled_ms": decoupled, "decoupled_tok_s": costs.tokens_per_s(decoupled),
                      "overlap_ms": overlap, "overlap_tok_s": costs.tokens_per_s(overlap)})
@@ -155,7 +148,9 @@ def from_gpu_check(check: dict, tau: dict[str, float], hit: float = 0.5) -> dict
     return {"rows": rows, "hit": hit, "inputs": {
         "forward and engine step costs": f"measured on {device}" if on_gpu else
         f"measured on the CPU with tiny shapes ({check['environment']['cpu']}): not a GPU figure",
-        "tau per arm": "measured on the real pair (Qwen2.5-Coder 0.5B -> 1.5B) on CPU, greedy, medical: not Qwen3",
+        "tau per arm": "1 + the sum of the acceptance by depth the engine steps replayed, from the real pair "
+                       "(Qwen2.5-Coder 0.5B -> 1.5B on CPU, greedy, medical: "
+                       f"{check['engine_ms_per_step']['acceptance_source']}): not Qwen3's",
         "transport per step": transport_source,
         "draft forward": "timed with the full LM head: FR-Spec's and EvoSpec's pruned heads cost less, so their "
                          "decoupled and overlap rows are upper bounds on step time",
@@ -193,15 +188,12 @@ def print_gpu_table(table: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpu-check", type=Path, help="scripts/gpu_check.sh's gpu_check.json")
-    ap.add_argument("--real-pair", type=Path, default=REAL_PAIR_RESULTS, help="`evospec bench real` JSON (τ per arm)")
     ap.add_argument("--hit", type=float, default=0.5, help="share of steps whose tree was pre-drafted")
     args = ap.parse_args(argv)
-    for option, path in (("--gpu-check", args.gpu_check), ("--real-pair", args.real_pair)):
-        if path is not None and not path.is_file():
-            ap.error(f"{option}: no file {path}")
+    if args.gpu_check is not None and not args.gpu_check.is_file():
+        ap.error(f"--gpu-check: no file {args.gpu_check}")
     if args.gpu_check:
-        print_gpu_table(from_gpu_check(json.loads(args.gpu_check.read_text()), measured_tau(args.real_pair),
-                                       args.hit))
+        print_gpu_table(from_gpu_check(json.loads(args.gpu_check.read_text()), args.hit))
         return
     print("Estimates from published H200 costs, not measurements (run scripts/gpu_check.sh on a GPU, then pass "
           "--gpu-check):")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import random
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -225,3 +227,11 @@ def verify_step_syncs(device: str | torch.device, seed: int = 7):
             torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
     return results, (trees, samplings, rows), syncs
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> bool:
+    """Poll `condition` until it holds or `timeout_s` passes; returns its last value (tests: `assert wait_for(...)`)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()

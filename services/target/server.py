@@ -20,6 +20,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Protocol
 
+import torch
+
 from evospec.config import METHODS, SamplingParams, SpecParams
 from evospec.engine.generate import SpeculativeDecoder
 from evospec.engine.scheduler import Failed, Finished, Scheduler, TokensOut
@@ -27,6 +29,7 @@ from evospec.engine.stats import SpecStats
 from evospec.errors import InvalidRequestError
 from evospec.kernels.linear import linear_orders
 from evospec.loading import apply_cpu_settings, cpu_description, load_model, load_static_ids, stop_token_ids
+from evospec.model import Qwen3
 from evospec.model.qwen3 import forward_seconds
 from evospec.services.common.bearer import check_bearer
 from evospec.services.config import PublicApiConfig, TargetServiceConfig
@@ -108,6 +111,18 @@ def api_tokens(public: PublicApiConfig) -> tuple[str, ...]:
     return tuple(dict.fromkeys(t for t in [*public.auth_tokens, *from_env] if t.strip()))  # never an empty token
 
 
+def remote_draft_scheduler(model: Qwen3, eos_ids: tuple[int, ...], static_ids: torch.Tensor, static_vocab_sha: str,
+                           cfg: TargetServiceConfig, pool: DraftReplicas) -> Scheduler:
+    """The target replica's engine: a scheduler over `model` whose drafts come from the replicas of `pool` (not
+    started: the service starts its thread; `evospec bench decoupled --transport local` steps it itself)."""
+    decoder = SpeculativeDecoder(model, None, static_ids=static_ids, max_model_len=cfg.max_model_len, eos_ids=eos_ids)
+    drafter = RemoteMuxDrafter(pool, decoder.policies.layout, decoder.target.vocab_size, static_vocab_sha,
+                               decoder.target.device)
+    if not cfg.scheduler.adaptive:  # first calls of each kernel at start-up, not in a user's first request (the
+        forward_seconds(model, sizes=(1, 4, 64), repeats=0)  # adaptive budget's start-up measurement does this)
+    return Scheduler(decoder, cfg.scheduler, drafter)
+
+
 class MetricsSink(Protocol):
     def record(self, stats: SpecStats, method: str, ttft_s: float, e2e_s: float, finish_reason: str,
                dynamic_size: int = 0, inter_token_s: list[float] = ()) -> None: ...
@@ -143,13 +158,8 @@ class TargetServer:
         apply_cpu_settings(cfg.model)
         model, folder = load_model(cfg.model, "target")
         static_ids, sha = load_static_ids(cfg.static_vocab)
-        decoder = SpeculativeDecoder(model, None, static_ids=static_ids, max_model_len=cfg.max_model_len,
-                                     eos_ids=stop_token_ids(folder))
-        drafter = RemoteMuxDrafter(drafts.pool, decoder.policies.layout, decoder.target.vocab_size, sha,
-                                   decoder.target.device)
-        if not cfg.scheduler.adaptive:  # first calls of each kernel at start-up, not in a user's first request (the
-            forward_seconds(model, sizes=(1, 4, 64), repeats=0)  # adaptive budget's start-up measurement does this)
-        scheduler = Scheduler(decoder, cfg.scheduler, drafter).start()
+        scheduler = remote_draft_scheduler(model, stop_token_ids(folder), static_ids, sha, cfg, drafts.pool).start()
+        decoder = scheduler.decoder
         log.info("target linear maps, operand order measured on this machine: %s", linear_orders())
         tokenizer = load_tokenizer(str(folder))
         max_prompt_bytes = cfg.public.max_prompt_bytes or decoder.max_model_len * max_token_bytes(tokenizer)

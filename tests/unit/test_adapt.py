@@ -1,7 +1,6 @@
 """Online adaptation (evospec/adapt): the signal, examples and replay, the curriculum, LoRA over float and int8
 layers, versioned swaps, export/load, and losslessness with the draft changing while it serves."""
 import math
-import time
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ from evospec.config import AdaptConfig, SamplingParams, SchedulerConfig, SpecPar
 from evospec.engine.generate import SpeculativeDecoder
 from evospec.engine.scheduler import Scheduler
 from evospec.model import quantize_int8
-from evospec.testing import chi_square_p, exact_two_token_joint, random_pair, run_all
+from evospec.testing import chi_square_p, exact_two_token_joint, random_pair, run_all, wait_for
 from evospec.tree import DraftTree
 
 FAST = dict(positions_per_example=4, window=16, min_examples=1, batch_size=2, publish_every=1, max_time_share=1.0,
@@ -26,13 +25,6 @@ FAST = dict(positions_per_example=4, window=16, min_examples=1, batch_size=2, pu
 def signal(n: int, k: int = 3, first: int = 0) -> TeacherSignal:
     ids = torch.arange(first, first + n * k, dtype=torch.int32).view(n, k)
     return TeacherSignal(ids, torch.log_softmax(torch.randn(n, k), -1).half())
-
-
-def wait_for(predicate, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def test_teacher_signal_is_the_targets_top_k_logprobs():
@@ -228,7 +220,7 @@ def test_greedy_is_identical_to_target_only_while_the_draft_adapts(mode):
             list(ar)
             assert out.output_ids == ar.output_ids, (mode, i)
             assert out.stats.teacher_signal_bytes > 0
-        wait_for(lambda: dec.learner.stats.train_steps >= 3)
+        assert wait_for(lambda: dec.learner.stats.train_steps >= 3)
         assert dec.learner.stats.version >= 1 and not dec.learner.stats.error
     finally:
         dec.close()
@@ -248,7 +240,7 @@ def test_scheduler_batches_stay_identical_to_target_only_while_the_draft_adapts(
                 list(ar)
                 assert sink.tokens == ar.output_ids
             assert sum(s.finished.stats.teacher_signal_bytes for s in sinks) > 0
-        wait_for(lambda: dec.learner.stats.version >= 1)
+        assert wait_for(lambda: dec.learner.stats.version >= 1)
         assert scheduler.drafter.arena.free_tokens == scheduler.drafter.arena.capacity
     finally:
         dec.close()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from evospec.bench.projection import ARMS, from_gpu_check, interpolate, measured_tau
+from evospec.bench.projection import ARMS, from_gpu_check, interpolate
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,15 +35,35 @@ def test_the_cpu_check_runs_every_step_in_a_minute(check):
                for r in check["engine_ms_per_step"]["rows"])
 
 
+def test_engine_steps_commit_the_replayed_acceptance(check):
+    """Random weights accept almost nothing; with the real pair's rates replayed a speculative step commits more
+    than one token, and a tree (two candidates per level) more than its chain."""
+    rows = {(r["method"], r["tree"]): r for r in check["engine_ms_per_step"]["rows"]}
+    assert rows[("ar", "none")]["tau"] == 1.0
+    for (method, shape), row in rows.items():
+        if method != "ar":
+            assert row["replayed_acceptance"] and row["tau"] > 1.5, (method, shape, row)
+
+
+def test_the_decoupled_step_runs_the_draft_in_its_own_process_and_matches_in_process(check):
+    result = check["decoupled"]
+    assert result["rc"] == 0 and result["transport"] == "local"
+    report = json.loads(Path(result["json"]).read_text())
+    assert report["mismatches"] and not any(report["mismatches"].values())  # greedy: identical tokens
+    remote = [p for name, runs in report["profiles"].items() if name.startswith("decoupled") for p in runs]
+    assert remote and all(p["seconds"].get("draft.remote_compute", 0) > 0 for p in remote)  # the replica drafted
+
+
 def test_the_projection_reads_the_check_and_says_what_was_measured_where(check):
-    table = from_gpu_check(check, measured_tau())
+    table = from_gpu_check(check)
     assert {r["arm"] for r in table["rows"]} == set(ARMS.values())
     ar = next(r for r in table["rows"] if r["arm"] == "ar")
     assert ar["colocated_vs_ar"] == 1.0 and ar["tau"] == 1.0
     evospec = next(r for r in table["rows"] if r["arm"] == "evospec-32k+256")
     assert evospec["decoupled_ms"] > ar["decoupled_ms"]  # a drafting step pays the draft and the transport
     assert "not a GPU figure" in table["inputs"]["forward and engine step costs"]
-    assert "measured on CPU" in table["inputs"]["transport per step"]
+    assert "bench decoupled's profiles on cpu" in table["inputs"]["transport per step"]
+    assert "results/acceptance_real" in table["inputs"]["tau per arm"]
 
 
 def test_interpolation_between_and_beyond_measured_sizes():

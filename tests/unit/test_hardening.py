@@ -138,8 +138,10 @@ def test_out_of_vocabulary_buffer_candidates_fail_their_session_as_invalid_argum
     from evospec.config import SamplingParams, SpecParams
     from evospec.engine.drafter import DraftRequest
     from evospec.errors import InvalidRequestError
+    from evospec.testing import wait_for
     from evospec.verify import VerifyResult
     _, draft, _, _ = service
+    assert wait_for(lambda: draft.num_sessions() == 0, 10)  # earlier tests' sessions close after their replies
     for candidates in ({10**9: 1.0}, {5: float("nan")}):
         open_session(draft, "cand", DraftRequest([3, 4, 5], SamplingParams(), SpecParams(), 64, 0))
         step = draft.run_step([Op("cand", "outcome", result=VerifyResult([], [], 7), candidates=candidates)], {})

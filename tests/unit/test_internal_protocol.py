@@ -25,7 +25,7 @@ from evospec.services.draft.servicer import start_draft_server
 from evospec.services.target.draft_link import DraftReplicas
 from evospec.services.target.remote_draft import RemoteMuxDrafter
 from evospec.services.target.server import DraftSide, FinishedEvent, GenerateRequest, Prompt, TargetServer
-from evospec.testing import RandomDepth, random_pair
+from evospec.testing import RandomDepth, random_pair, wait_for
 from evospec.tokenizer import load_tokenizer
 from evospec.vocab.registry import VocabPolicies
 
@@ -56,10 +56,8 @@ def setup():
 
 
 def wait_closed(draft_server: DraftServer) -> None:
-    deadline = time.monotonic() + 10  # the draft frees the session when it sees the stream end (asynchronously)
-    while draft_server.num_sessions() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert draft_server.num_sessions() == 0
+    # the draft frees the session when it sees the stream end (asynchronously)
+    assert wait_for(lambda: draft_server.num_sessions() == 0, 10)
 
 
 CASES = [
@@ -246,13 +244,6 @@ class TimedSink:
 
     def longest_gap(self) -> float:
         return max((b - a for a, b in zip(self.times, self.times[1:])), default=0.0)
-
-
-def wait_for(condition, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return condition()
 
 
 def ar_tokens(local: SpeculativeDecoder, prompt: list[int], max_tokens: int) -> list[int]:
