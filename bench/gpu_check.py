@@ -194,10 +194,9 @@ def engine_steps(target: Qwen3, draft: Qwen3, max_tokens: int) -> dict:
         for tree in (CHAIN,) if method == "ar" else (CHAIN, TREE):
             shape = "none" if method == "ar" else tree.shape
             replay = ReplayedAcceptance(acceptance.get(ARMS[(method, shape)], []))
-            levels = 0 if method == "ar" else (tree.depth if shape == "tree" else tree.num_draft_tokens)
             with replayed(replay):
                 rows.append({"method": method, "tree": shape, "replayed_acceptance": replay.by_depth,
-                             "expected_tau": round(replay.expected_tau(levels), 4),
+                             "expected_tau": round(replay.expected_tau(0 if method == "ar" else tree.levels), 4),
                              **timed_generation(decoder, prompt, sampling, SpecParams(method=method, tree=tree))})
     return {"max_tokens": max_tokens, "chain": CHAIN.model_dump(), "tree": TREE.model_dump(),
             "acceptance_source": str(ACCEPTANCE_RESULTS), "rows": rows}

@@ -27,6 +27,8 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from evospec.config import TreeParams
+
 
 @dataclass(frozen=True)
 class StepCosts:
@@ -124,9 +126,8 @@ def from_gpu_check(check: dict, hit: float = 0.5) -> dict:
     rows = []
     for row in engine["rows"]:
         arm = ARMS[(row["method"], row["tree"])]
-        shape = engine["chain"] if row["tree"] == "chain" else engine["tree"]
-        nodes = 0 if arm == "ar" else (shape["num_draft_tokens"] if row["tree"] == "chain" else shape["budget"])
-        levels = 0 if arm == "ar" else (nodes if row["tree"] == "chain" else shape["depth"])
+        shape = TreeParams(**(engine["chain"] if row["tree"] == "chain" else engine["tree"]))
+        nodes, levels = (0, 0) if arm == "ar" else (shape.max_nodes, shape.levels)
         per_level = nodes / levels if levels else 0  # rows each draft forward runs
         f = interpolate(forward["draft"]["by_new_tokens"], per_level) if levels else 0.0
         verify = interpolate(forward["target"]["by_new_tokens"], 1 + nodes)

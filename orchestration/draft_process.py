@@ -39,11 +39,22 @@ def local_draft_replica(cfg: DraftServiceConfig, start_timeout_s: float = START_
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env=env)
     stderr_tail: list[str] = []
-    drain = threading.Thread(target=_keep_tail, args=(child.stderr, stderr_tail), daemon=True)
-    drain.start()
+    errors = threading.Thread(target=_keep_tail, args=(child.stderr, stderr_tail), daemon=True)
+    errors.start()
+    port: list[int] = []
+    answered = threading.Event()  # set once the child printed its port, or its stdout ended (it exited)
+    threading.Thread(target=_read_port, args=(child.stdout, port, answered), daemon=True).start()
     try:
-        port = _wait_for_port(child, start_timeout_s, stderr_tail)
-        yield f"127.0.0.1:{port}"
+        answered.wait(start_timeout_s)
+        if not port:
+            exited = answered.is_set()
+            child.terminate()  # still loading (or gone): it would not read its stdin yet
+            _stop(child)
+            errors.join(timeout=5)
+            why = (f"exited with code {child.returncode}" if exited
+                   else f"printed no port within {start_timeout_s:g} s")
+            raise RuntimeError(f"draft replica process {why}:\n" + "".join(stderr_tail[-20:]))
+        yield f"127.0.0.1:{port[0]}"
     finally:
         _stop(child)
 
@@ -54,28 +65,28 @@ def _keep_tail(stream, tail: list[str], keep: int = 40) -> None:
         del tail[:-keep]
 
 
-def _wait_for_port(child: subprocess.Popen, timeout_s: float, stderr_tail: list[str]) -> int:
-    """The port the child printed; RuntimeError with its last log lines if it exits or stays silent too long."""
-    line: list[str] = []
-    reader = threading.Thread(target=lambda: line.append(child.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout_s)
-    if line and line[0].startswith("port "):
-        return int(line[0].split()[1])
-    _stop(child)
-    why = f"exited with code {child.returncode}" if line else f"printed no port within {timeout_s:.0f} s"
-    raise RuntimeError(f"draft replica process {why}:\n" + "".join(stderr_tail[-20:]))
+def _read_port(stream, port: list[int], answered: threading.Event) -> None:
+    """The first line "port <n>" gives the port; every other line is read and dropped (a full pipe would block
+    the child)."""
+    for line in stream:
+        if not port and line.startswith("port "):
+            port.append(int(line.split()[1]))
+            answered.set()
+    answered.set()
 
 
-def _stop(child: subprocess.Popen) -> None:
-    """Close its stdin (it stops its server and exits), then make sure it is gone."""
+def _stop(child: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """Close its stdin (a serving child stops its server and exits), then terminate it if it is still there (one
+    still loading its model), and kill it as a last resort."""
     with contextlib.suppress(OSError, ValueError):
         child.stdin.close()
-    try:
-        child.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.wait()
+    for end in (lambda: None, child.terminate, child.kill):
+        end()
+        try:
+            child.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def serve_until_stdin_closes(config_json: str) -> None:

@@ -36,3 +36,9 @@ def test_a_replica_that_cannot_load_its_model_says_why():
         with local_draft_replica(cfg, start_timeout_s=120):
             pass
     assert "/nonexistent/draft-model" in str(error.value)
+
+
+def test_a_replica_that_does_not_start_in_time_is_stopped_with_an_error():
+    with pytest.raises(RuntimeError, match=r"printed no port within 0.5 s"):
+        with local_draft_replica(DraftServiceConfig(), start_timeout_s=0.5):
+            pass
