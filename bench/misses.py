@@ -28,7 +28,7 @@ from tqdm import tqdm
 from evospec.bench.grid import head_costs
 from evospec.bench.prompts import code_request, stdlib_functions
 from evospec.datasets import spec_bench_prompts, split_pubmedqa
-from evospec.engine.drafter import feedback_for
+from evospec.engine.drafter import FeedbackRequest, feedbacks_for
 from evospec.engine.stats import SpecStats
 from evospec.engine.target import VerifiedStep
 from evospec.loading import load_cooc, load_qwen3_folder, load_static_ids, named_pair_folders
@@ -76,8 +76,8 @@ def replay(policy: EvoSpecPolicy, streams: list[tuple[list[int], list[int]]]) ->
         for i in range(0, len(stream) - STEP + 1, STEP):
             tokens = stream[i:i + STEP]
             result = VerifyResult(list(range(STEP - 1)), tokens[:-1], tokens[-1])
-            fb = feedback_for(VerifiedStep(result, torch.zeros(1, 1)), session.in_active(), False, total,
-                              session.source_of)
+            fb, = feedbacks_for([FeedbackRequest(VerifiedStep(result, torch.zeros(1, 1)), session.in_active(), False,
+                                                 total, session.source_of)])
             misses = {t: TARGET_PRIORITY + 1.0 for t in tokens if not session.in_active()[t]}
             feedback = TargetFeedback(fb.misses, fb.positions, misses) if session.wants_target_feedback else None
             session.observe(result, feedback)

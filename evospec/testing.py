@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from evospec.config import SamplingParams
 from evospec.engine.budget import OnlineCost, SpeculationBudget, TokenCostTable
@@ -235,3 +236,35 @@ def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> bool:
     while not condition() and time.monotonic() < deadline:
         time.sleep(0.01)
     return condition()
+
+
+SYNCING_METHODS = {"item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__",
+                   "masked_select", "unique", "multinomial", "argwhere"}
+
+
+class HostSyncCounter(TorchFunctionMode):
+    """Counts calls that make the host wait for the device on a GPU: reading values (item, tolist, bool(), ...),
+    data-dependent shapes (nonzero, boolean-mask indexing), on a CPU where nothing synchronises, so a test can count
+    a GPU's synchronisations without one. `host_tensors` live on the host in production (e.g. a tree's tokens and
+    parents: the drafter and the gRPC link hand them over there); reading them is not counted."""
+    def __init__(self, host_tensors):
+        super().__init__()
+        self.host_ids = {id(t) for t in host_tensors}
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        on_host_input = bool(args) and id(args[0]) in self.host_ids
+        mask_index = name == "__getitem__" and any(isinstance(a, torch.Tensor) and a.dtype == torch.bool
+                                                   for a in _flat(args[1:]))
+        if (name in SYNCING_METHODS and not on_host_input) or mask_index:
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _flat(items):
+    for item in items:
+        if isinstance(item, (tuple, list)):
+            yield from _flat(item)
+        else:
+            yield item

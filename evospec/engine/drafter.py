@@ -11,6 +11,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from evospec.adapt.signal import teacher_signal
 from evospec.config import SamplingParams, SpecParams, TreeParams
 from evospec.engine.draft import DraftEngine, DraftSession
@@ -20,7 +22,7 @@ from evospec.errors import OverloadedError
 from evospec.model import KVArena
 from evospec.tree import DraftTree
 from evospec.vocab.registry import VocabPolicies
-from evospec.vocab.retrieval import TargetFeedback, target_feedback
+from evospec.vocab.retrieval import TargetFeedback, target_feedbacks
 
 
 @dataclass(frozen=True)
@@ -44,20 +46,31 @@ class Drafter(Protocol):
 DrafterFactory = Callable[[DraftRequest], Drafter]
 
 
-def feedback_for(verified: VerifiedStep, in_active, with_candidates: bool, stats: SpecStats,
-                 source_of: Mapping[int, str]) -> TargetFeedback:
-    """Target side of a step's vocabulary feedback against the A the tree was drafted with: misses (committed
-    tokens outside A) and buffer hits (committed tokens in D, by the source that put them there, `source_of`) into
-    stats; candidates for the buffer."""
-    committed = verified.result.committed_tokens
-    fb = target_feedback(verified.target_logits, committed, in_active, with_candidates)
-    stats.misses += fb.misses
-    stats.verified_positions += fb.positions
-    for tok in committed:
-        source = source_of.get(tok)
-        if source:
-            stats.count_buffer_hit(source)
-    return fb
+@dataclass(frozen=True)
+class FeedbackRequest:
+    """One request's step, for the target side of its vocabulary feedback."""
+    verified: VerifiedStep
+    in_active: torch.Tensor  # [V] bool: the A its tree was drafted with
+    with_candidates: bool  # target-fed retrieval: candidates for its buffer
+    stats: SpecStats
+    source_of: Mapping[int, str]  # dynamic id -> the source that put it in D
+
+
+def feedbacks_for(requests: list[FeedbackRequest]) -> list[TargetFeedback]:
+    """Target side of a step's vocabulary feedback, for every request of the step at once (one host
+    synchronisation on an accelerator: `target_feedbacks`): misses (committed tokens outside A) and buffer hits
+    (committed tokens in D, by source) into each request's stats; candidates for the buffers."""
+    feedbacks = target_feedbacks([r.verified.target_logits for r in requests],
+                                 [r.verified.result.committed_tokens for r in requests],
+                                 [r.in_active for r in requests], [r.with_candidates for r in requests])
+    for request, fb in zip(requests, feedbacks):
+        request.stats.misses += fb.misses
+        request.stats.verified_positions += fb.positions
+        for tok in request.verified.result.committed_tokens:
+            source = request.source_of.get(tok)
+            if source:
+                request.stats.count_buffer_hit(source)
+    return feedbacks
 
 
 class BatchDrafter(Protocol):
@@ -84,13 +97,24 @@ class BatchDrafter(Protocol):
     def close(self, key: str) -> None: ...
 
 
-def observe_locally(engine: DraftEngine, session: DraftSession, verified: VerifiedStep, stats: SpecStats) -> None:
-    """In-process feedback of one verified step: misses and candidates (target side), the teacher signal when the
-    draft adapts (a direct call: the same object the service sends in its frames), commit and buffer update."""
-    vocab = session.vocab
+def observe_locally(engine: DraftEngine, steps: list[tuple[DraftSession, VerifiedStep, SpecStats]]) -> None:
+    """In-process feedback of verified steps: misses and candidates (target side, all sessions at once), the teacher
+    signal when the draft adapts (a direct call: the same object the service sends in its frames), commit and buffer
+    update. The feedback's time is shared evenly among the sessions' buffer update times."""
     start = time.perf_counter()
-    fb = feedback_for(verified, vocab.in_active(), vocab.wants_target_feedback, stats, vocab.source_of) \
-        if vocab.restricted else None
+    restricted = [(session, verified, stats) for session, verified, stats in steps if session.vocab.restricted]
+    feedbacks = dict(zip((id(session) for session, _, _ in restricted), feedbacks_for(
+        [FeedbackRequest(verified, session.vocab.in_active(), session.vocab.wants_target_feedback, stats,
+                         session.vocab.source_of) for session, verified, stats in restricted])))
+    shared = (time.perf_counter() - start) / max(1, len(steps))
+    for session, verified, stats in steps:
+        observe_session(engine, session, verified, stats, feedbacks.get(id(session)), shared)
+
+
+def observe_session(engine: DraftEngine, session: DraftSession, verified: VerifiedStep, stats: SpecStats,
+                    fb: TargetFeedback | None, feedback_seconds: float) -> None:
+    """One session's part of `observe_locally`, its feedback computed: teacher signal, commit, buffer update."""
+    start = time.perf_counter() - feedback_seconds
     teacher = teacher_signal(verified.target_logits, engine.learner.cfg.teacher_top_k) \
         if engine.learner is not None else None
     if teacher is not None:
@@ -122,7 +146,7 @@ class LocalDrafter:
         return self.engine.propose(self.session)
 
     def observe(self, verified: VerifiedStep, stats: SpecStats) -> None:
-        observe_locally(self.engine, self.session, verified, stats)
+        observe_locally(self.engine, [(self.session, verified, stats)])
 
     def close(self) -> None:
         self.engine.end(self.session)
@@ -171,10 +195,10 @@ class LocalBatchDrafter:
         """Sessions that drafted this step get the full feedback. One the scheduler ran without a draft (depth 0)
         only appends its token, at a plain decoding step's cost: the draft caches it with its next feed, and the
         vocabulary buffer does not see that step (a busy server trades those updates for throughput)."""
-        for key, (verified, stats) in steps.items():
-            if key in self._drafted:
-                observe_locally(self.engine, self.sessions[key], verified, stats)
-            else:
+        observe_locally(self.engine, [(self.sessions[key], verified, stats) for key, (verified, stats) in steps.items()
+                                      if key in self._drafted])
+        for key, (verified, _) in steps.items():
+            if key not in self._drafted:
                 self.engine.commit(self.sessions[key], verified.result)
 
     def flush(self) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -185,3 +186,70 @@ def target_feedback(target_logits: torch.Tensor, committed: list[int], in_active
     for tok in misses:
         cands[tok] = TARGET_PRIORITY + 1.0 + math.exp(row[tok].item() - lse)
     return TargetFeedback(len(misses), len(committed), cands)
+
+
+def target_feedbacks(logits: Sequence[torch.Tensor], committed: Sequence[list[int]], in_active: Sequence[torch.Tensor],
+                     with_candidates: Sequence[bool], top_m: int = 4, min_prob: float = 0.02) -> list[TargetFeedback]:
+    """`target_feedback` of many requests' steps (the arguments of each, by request). On an accelerator: all at once,
+    with one host synchronisation (`feedbacks_on_device`); on a CPU request by request, since a synchronisation
+    costs nothing there and one comparison per row costs less than the batch's top-k."""
+    if logits and logits[0].device.type != "cpu":
+        return feedbacks_on_device(logits, committed, in_active, with_candidates, top_m, min_prob)
+    return [target_feedback(rows, tokens, mask, wanted, top_m, min_prob)
+            for rows, tokens, mask, wanted in zip(logits, committed, in_active, with_candidates)]
+
+
+def feedbacks_on_device(logits: Sequence[torch.Tensor], committed: Sequence[list[int]],
+                        in_active: Sequence[torch.Tensor], with_candidates: Sequence[bool], top_m: int = 4,
+                        min_prob: float = 0.02) -> list[TargetFeedback]:
+    """The batch form of `target_feedback`, the same results: every request's last row stacked, one logsumexp and
+    one top-k over the batch (the ids with probability >= min_prob are among the 1/min_prob likeliest, as
+    probabilities sum to 1), the committed tokens' logits and A's membership gathered on the device (a mask held on
+    the host is copied there without a synchronisation), and everything read back in one transfer."""
+    if not 0 < min_prob <= 1:
+        raise ValueError(f"min_prob must be in (0, 1]; got {min_prob}")
+    if not logits:
+        return []
+    from evospec.verify import to_device
+    device = logits[0].device
+    rows = torch.stack([step[-1] for step in logits]).float()  # [B, V]: each request's row after its accepted path
+    lse = rows.logsumexp(dim=-1)  # [B]
+    threshold = lse + math.log(min_prob)  # in float32, as target_feedback compares
+    top = rows.topk(min(rows.shape[-1], int(1 / min_prob)), dim=-1)  # [B, k], likeliest first
+    counts = [len(tokens) for tokens in committed]
+    ids = to_device(torch.tensor([t for tokens in committed for t in tokens], dtype=torch.long), device)
+    owner = to_device(torch.tensor([i for i, n in enumerate(counts) for _ in range(n)], dtype=torch.long), device)
+    parts, start = [lse, threshold, top.values.flatten(), top.indices.flatten(), rows[owner, ids]], 0
+    for i, mask in enumerate(in_active):
+        mask = to_device(mask, device)
+        parts += [mask[top.indices[i]], mask[ids[start:start + counts[i]]]]
+        start += counts[i]
+    values = torch.cat([part.double() for part in parts]).tolist()  # the step's one synchronisation
+    return _unpack_feedbacks(values, committed, top.indices.shape[-1], with_candidates, top_m)
+
+
+def _unpack_feedbacks(values: list[float], committed: Sequence[list[int]], k: int, with_candidates: Sequence[bool],
+                      top_m: int) -> list[TargetFeedback]:
+    """`feedbacks_on_device`'s transfer, read back in the order it was packed."""
+    counts = [len(tokens) for tokens in committed]
+    b, n = len(counts), sum(counts)
+    lse, threshold = values[:b], values[b:2 * b]
+    top_values, top_ids = values[2 * b:2 * b + b * k], values[2 * b + b * k:2 * b + 2 * b * k]
+    committed_logits = values[2 * b + 2 * b * k:2 * b + 2 * b * k + n]
+    at, start, out = 2 * b + 2 * b * k + n, 0, []
+    for i, count in enumerate(counts):
+        top_in_a, committed_in_a = values[at:at + k], values[at + k:at + k + count]
+        at += k + count
+        logits_i = committed_logits[start:start + count]
+        start += count
+        misses = [j for j in range(count) if not committed_in_a[j]]  # positions of committed tokens outside A
+        candidates = {}
+        if with_candidates[i]:
+            row = slice(i * k, (i + 1) * k)
+            likely = [(int(t), v) for t, v, inside in zip(top_ids[row], top_values[row], top_in_a)
+                      if v >= threshold[i] and not inside]
+            candidates = {t: TARGET_PRIORITY + math.exp(v - lse[i]) for t, v in likely[:top_m]}
+            for j in misses:
+                candidates[committed[i][j]] = TARGET_PRIORITY + 1.0 + math.exp(logits_i[j] - lse[i])
+        out.append(TargetFeedback(len(misses), count, candidates))
+    return out

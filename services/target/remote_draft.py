@@ -18,7 +18,7 @@ import torch
 
 from evospec.adapt.signal import teacher_signal
 from evospec.config import SpecParams, TreeParams
-from evospec.engine.drafter import DraftRequest, feedback_for
+from evospec.engine.drafter import DraftRequest, FeedbackRequest, feedbacks_for
 from evospec.engine.profile import StepProfile
 from evospec.engine.stats import SpecStats
 from evospec.engine.target import VerifiedStep
@@ -37,12 +37,14 @@ class ActiveSetMirror(ActiveIds):
     draft's replies (`ActiveIds.apply`, the routine the draft's own A uses), with the retrieval source of each dynamic
     id (for the buffer-hit statistics)."""
 
-    def __init__(self, static_ids: torch.Tensor | None, dynamic_size: int, vocab_size: int):
+    def __init__(self, static_ids: torch.Tensor | None, dynamic_size: int, vocab_size: int,
+                 device: torch.device | str = "cpu"):
+        """device: the target model's, where the step's feedback reads A's membership (evospec/vocab/retrieval.py)."""
         self.restricted = static_ids is not None
         if static_ids is None:  # a full head: A is the whole vocabulary, every row static
-            super().__init__(torch.arange(vocab_size), vocab_size, vocab_size)
+            super().__init__(torch.arange(vocab_size, device=device), vocab_size, vocab_size)
         else:
-            row_ids = torch.cat([static_ids, torch.full((dynamic_size,), -1, dtype=torch.long)])
+            row_ids = torch.cat([static_ids, torch.full((dynamic_size,), -1, dtype=torch.long)]).to(device)
             super().__init__(row_ids, static_ids.shape[0], vocab_size)
 
 
@@ -181,7 +183,7 @@ class RemoteMuxDrafter:
         if link is None:
             link = self._links[replica.address] = _Link(replica)
         layout = self.layout_of(request.spec)
-        self.mirrors[key] = ActiveSetMirror(layout.static_ids, layout.dynamic_size, self.vocab_size)
+        self.mirrors[key] = ActiveSetMirror(layout.static_ids, layout.dynamic_size, self.vocab_size, self.device)
         self._wants_candidates[key] = layout.target_feedback
         self._feedback_seconds[key] = 0.0
         self._home[key] = link
@@ -251,24 +253,33 @@ class RemoteMuxDrafter:
         return out
 
     def observe(self, steps: dict[str, tuple[VerifiedStep, SpecStats]]) -> None:
+        steps = {key: step for key, step in steps.items() if key in self._home}  # a failed replica's sessions: the
+        # scheduler drops their drafts with the next propose
+        candidates = self._candidates(steps)
         for key, (verified, stats) in steps.items():
-            if key not in self._home:
-                continue  # its replica failed meanwhile; the scheduler drops its draft with the next propose
             self._stats[key] = stats
-            candidates = {}
-            if self.mirrors[key].restricted and key in self._drafted:
-                start = time.perf_counter()
-                mirror = self.mirrors[key]
-                candidates = feedback_for(verified, mirror.mask, self._wants_candidates[key], stats,
-                                          mirror.source_of).candidates
-                self._feedback_seconds[key] += time.perf_counter() - start
             link = self._home[key]
             teacher = teacher_signal(verified.target_logits, link.teacher_top_k) \
                 if link.teacher_top_k and key in self._drafted else None
-            op = session_op_to_proto(key, "outcome", result=verified.result, candidates=candidates, teacher=teacher)
+            op = session_op_to_proto(key, "outcome", result=verified.result, candidates=candidates.get(key, {}),
+                                     teacher=teacher)
             if teacher is not None:
                 stats.teacher_signal_bytes += op.outcome.teacher.ByteSize()  # what the frame carries for it
             link.ops.append(op)
+
+    def _candidates(self, steps: dict[str, tuple[VerifiedStep, SpecStats]]) -> dict[str, dict[int, float]]:
+        """Misses and buffer candidates of the sessions that drafted with a restricted A, all at once; the time is
+        shared evenly among them."""
+        keys = [key for key in steps if self.mirrors[key].restricted and key in self._drafted]
+        if not keys:
+            return {}
+        start = time.perf_counter()
+        feedbacks = feedbacks_for([FeedbackRequest(steps[key][0], self.mirrors[key].mask, self._wants_candidates[key],
+                                                   steps[key][1], self.mirrors[key].source_of) for key in keys])
+        shared = (time.perf_counter() - start) / len(keys)
+        for key in keys:
+            self._feedback_seconds[key] += shared
+        return {key: fb.candidates for key, fb in zip(keys, feedbacks)}
 
     def flush(self) -> None:
         """Send the step's outcomes and closes now (the replicas commit them while the target goes on). Stream

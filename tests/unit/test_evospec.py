@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from evospec.config import SamplingParams, SpecParams, TreeParams
-from evospec.engine.drafter import feedback_for
+from evospec.engine.drafter import FeedbackRequest, feedbacks_for
 from evospec.engine.generate import SpeculativeDecoder
 from evospec.engine.stats import SpecStats
 from evospec.engine.target import VerifiedStep
-from evospec.testing import chi_square_p, exact_two_token_joint, random_pair
+from evospec.testing import HostSyncCounter, chi_square_p, exact_two_token_joint, random_pair
 from evospec.verify import VerifyResult
 from evospec.vocab.dynamic import DynamicBuffer
 from evospec.vocab.policy import SOURCES, EvoSpecPolicy, EvoSpecSettings
@@ -20,7 +20,9 @@ from evospec.vocab.retrieval import (
     EmbeddingIndex,
     StatisticalRetriever,
     TargetFeedback,
+    feedbacks_on_device,
     target_feedback,
+    target_feedbacks,
 )
 
 
@@ -166,6 +168,45 @@ def test_target_feedback_candidates_equal_the_masked_definition(seed):
     assert all(fb.candidates[i] == pytest.approx(want[i], abs=1e-5) for i in want)
 
 
+def feedback_batch(seed: int, requests: int, vocab: int = 500):
+    """Random steps: rows of flat to peaked distributions, random A, committed tokens inside and outside A
+    (repeats too), with and without candidates."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    logits, committed, masks, wanted = [], [], [], []
+    for _ in range(requests):
+        n = rng.randint(1, 5)
+        logits.append(torch.randn(n, vocab, generator=gen) * rng.choice([0.5, 2.0, 6.0]))
+        masks.append(torch.rand(vocab, generator=gen) < rng.random())
+        committed.append([rng.randrange(vocab) for _ in range(n)])
+        wanted.append(rng.random() < 0.8)
+    return logits, committed, masks, wanted
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_batched_feedback_equals_the_per_request_feedback(seed):
+    logits, committed, masks, wanted = feedback_batch(seed, requests=1 + seed % 6)
+    batched = feedbacks_on_device(logits, committed, masks, wanted)
+    for fb, args in zip(batched, zip(logits, committed, masks, wanted)):
+        want = target_feedback(*args)
+        assert (fb.misses, fb.positions, fb.candidates.keys()) == (want.misses, want.positions, want.candidates.keys())
+        assert all(fb.candidates[i] == pytest.approx(want.candidates[i], rel=1e-6) for i in want.candidates)
+    assert target_feedbacks(logits, committed, masks, wanted) == [target_feedback(*a) for a in
+                                                                  zip(logits, committed, masks, wanted)]  # CPU
+
+
+def test_batched_feedback_synchronises_once():
+    """On a GPU the per-request feedback reads values several times per request (nonzero, item, tolist); the batch
+    reads them once per step. The masks are the target's A mirrors, which live on its device."""
+    logits, committed, masks, wanted = feedback_batch(0, requests=8)
+    with HostSyncCounter(host_tensors=[]) as counter:
+        feedbacks_on_device(logits, committed, masks, wanted)
+    assert counter.calls == ["tolist"]
+    with HostSyncCounter(host_tensors=[]) as counter:
+        for args in zip(logits, committed, masks, wanted):
+            target_feedback(*args)
+    assert len(counter.calls) > 8  # the counter sees the per-request form's synchronisations
+
+
 @pytest.fixture(scope="module")
 def pair():
     return random_pair(vocab=96, seed=4, eos=1)
@@ -305,7 +346,8 @@ def test_buffer_hits_are_counted_by_the_source_that_put_the_id_there(pair):
     def step(accepted: list[int], bonus: int, candidates: dict[int, float] | None = None) -> None:
         result = VerifyResult(list(range(len(accepted))), accepted, bonus)
         logits = torch.zeros(len(result.committed_tokens), 96)
-        fb = feedback_for(VerifiedStep(result, logits), session.in_active(), True, stats, session.source_of)
+        fb, = feedbacks_for([FeedbackRequest(VerifiedStep(result, logits), session.in_active(), True, stats,
+                                             session.source_of)])
         session.observe(result, TargetFeedback(fb.misses, fb.positions, candidates or fb.candidates))
     step([], 70)  # 70 ∉ A: a miss, and a target-fed candidate
     assert session.source_of[70] == "target" and (stats.misses, stats.buffer_hits) == (1, 0)

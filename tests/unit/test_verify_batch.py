@@ -7,11 +7,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.overrides import TorchFunctionMode
 
 from evospec.config import SamplingParams
 from evospec.sampling import logits_to_probs
-from evospec.testing import VERIFY_VOCAB, random_batch
+from evospec.testing import VERIFY_VOCAB, HostSyncCounter, random_batch
 from evospec.tree import DraftTree
 from evospec.verify import verify_batch, verify_greedy, verify_on_device, verify_stochastic
 
@@ -52,37 +51,6 @@ def test_the_batch_accepts_drafts_and_consumes_the_generator_as_the_reference_do
             assert torch.equal(batch_gens[i].get_state(), ref_gen.get_state())
             accepted += len(want.accepted_nodes)
     assert accepted > 100
-
-
-SYNCING_METHODS = {"item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__",
-                   "masked_select", "unique", "multinomial", "argwhere"}
-
-
-class HostSyncCounter(TorchFunctionMode):
-    """Counts calls that make the host wait for the device on a GPU: reading values (item, tolist, bool(), ...),
-    data-dependent shapes (nonzero, boolean-mask indexing). Reading the trees' structure is not counted: the tokens
-    and parents of a tree are host tensors (the drafter and the gRPC link hand them over on the host)."""
-    def __init__(self, host_tensors):
-        super().__init__()
-        self.host_ids = {id(t) for t in host_tensors}
-        self.calls: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", str(func))
-        on_host_input = bool(args) and id(args[0]) in self.host_ids
-        mask_index = name == "__getitem__" and any(isinstance(a, torch.Tensor) and a.dtype == torch.bool
-                                                   for a in _flat(args[1:]))
-        if (name in SYNCING_METHODS and not on_host_input) or mask_index:
-            self.calls.append(name)
-        return func(*args, **(kwargs or {}))
-
-
-def _flat(items):
-    for item in items:
-        if isinstance(item, (tuple, list)):
-            yield from _flat(item)
-        else:
-            yield item
 
 
 @pytest.mark.parametrize("mix", ["greedy", "sampled", "mixed"])
