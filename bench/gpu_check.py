@@ -218,13 +218,16 @@ def timed_generation(decoder, prompt: list[int], sampling: SamplingParams, spec:
 
 
 def verify_syncs(device: torch.device) -> dict:
-    """Host synchronisations of one batched verify step (8 requests, greedy and sampled, trees of up to 8 nodes),
-    counted by CUDA's sync debug mode (each synchronising call warns)."""
+    """Host synchronisations of one batched verify step (8 requests, greedy and sampled, trees of up to 8 nodes) and
+    of that step's vocabulary feedback (8 requests), counted by CUDA's sync debug mode (each synchronising call
+    warns)."""
     if device.type != "cuda":
-        return {"skipped": "no GPU: counted on the CPU by tests/unit/test_verify_batch.py"}
-    from evospec.testing import verify_step_syncs
+        return {"skipped": "no GPU: counted on the CPU by tests/unit/test_verify_batch.py and test_evospec.py"}
+    from evospec.testing import feedback_step_syncs, verify_step_syncs
     results, _, syncs = verify_step_syncs(device)
-    return {"per_step": len(syncs), "calls": syncs[:8], "requests": len(results)}
+    _, _, feedback = feedback_step_syncs(device)
+    return {"per_step": len(syncs), "calls": syncs[:8], "requests": len(results),
+            "feedback_per_step": len(feedback), "feedback_calls": feedback[:8]}
 
 
 def decoupled(out: Path, cpu: bool) -> dict:

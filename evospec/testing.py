@@ -204,12 +204,25 @@ def random_batch(seed: int, requests: int, max_size: int):
     return trees, samplings, rows
 
 
-def verify_step_syncs(device: str | torch.device, seed: int = 7):
-    """One batched verify step (`verify_on_device`, 8 requests, greedy and sampled) on a CUDA `device` under CUDA's
-    sync debug mode, after a warm-up. Returns (results, (trees, samplings, host logit rows), the messages of the
-    synchronising calls it warned about) (tests/gpu, bench/gpu_check.py)."""
+def cuda_syncs(fn: Callable[[], object]) -> tuple[object, list[str]]:
+    """`fn()` once to warm up, then again under CUDA's sync debug mode: (its result, the first line of each
+    synchronising call it warned about) (tests/gpu, bench/gpu_check.py)."""
     import warnings
+    fn()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return result, [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
 
+
+def verify_step_syncs(device: str | torch.device, seed: int = 7):
+    """One batched verify step (`verify_on_device`, 8 requests, greedy and sampled) on a CUDA `device`, through
+    `cuda_syncs`. Returns (results, (trees, samplings, host logit rows), the synchronising calls)."""
     from evospec.verify import verify_on_device
     trees, samplings, rows = random_batch(seed, 8, 8)
     for tree in trees:
@@ -217,17 +230,34 @@ def verify_step_syncs(device: str | torch.device, seed: int = 7):
         tree.active_ids = tree.active_ids.to(device) if tree.active_ids is not None else None
     logits = torch.cat(rows).to(device)
     gens = [torch.Generator(device=device).manual_seed(i) for i in range(len(trees))]
-    verify_on_device(trees, logits, samplings, gens)  # warm-up
-    torch.cuda.synchronize(device)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            results = verify_on_device(trees, logits, samplings, gens)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+    results, syncs = cuda_syncs(lambda: verify_on_device(trees, logits, samplings, gens))
     return results, (trees, samplings, rows), syncs
+
+
+def random_feedback_batch(seed: int, requests: int, vocab: int = 500):
+    """Random steps for the target's vocabulary feedback (evospec/vocab/retrieval.py): per request its verified rows
+    (flat to peaked distributions), committed tokens inside and outside A (repeats too), A's mask, and whether it
+    wants candidates. Returns (logits, committed, masks, with_candidates), on the CPU."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    logits, committed, masks, wanted = [], [], [], []
+    for _ in range(requests):
+        n = rng.randint(1, 5)
+        logits.append(torch.randn(n, vocab, generator=gen) * rng.choice([0.5, 2.0, 6.0]))
+        masks.append(torch.rand(vocab, generator=gen) < rng.random())
+        committed.append([rng.randrange(vocab) for _ in range(n)])
+        wanted.append(rng.random() < 0.8)
+    return logits, committed, masks, wanted
+
+
+def feedback_step_syncs(device: str | torch.device, seed: int = 7):
+    """One step's batched feedback (`feedbacks_on_device`, 8 requests, Qwen3's vocabulary) on a CUDA `device`,
+    through `cuda_syncs`. Returns (results, the CPU inputs, the synchronising calls)."""
+    from evospec.vocab.retrieval import feedbacks_on_device
+    inputs = random_feedback_batch(seed, 8, vocab=151936)
+    logits, committed, masks, wanted = inputs
+    on_device = ([rows.to(device) for rows in logits], committed, [mask.to(device) for mask in masks], wanted)
+    results, syncs = cuda_syncs(lambda: feedbacks_on_device(*on_device))
+    return results, inputs, syncs
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> bool:

@@ -104,3 +104,18 @@ def test_batched_verification_on_cuda_synchronises_once_and_walks_greedy_as_the_
     for result, tree, sampling, r in zip(got, trees, samplings, rows):
         if sampling.greedy:
             assert result == verify_greedy(tree, r)
+
+
+def test_batched_feedback_on_cuda_synchronises_once_and_equals_the_reference():
+    """feedbacks_on_device with CUDA tensors (8 requests, Qwen3's vocabulary): one host synchronisation, and the
+    misses and buffer candidates of the per-request form on the CPU."""
+    import pytest
+
+    from evospec.testing import feedback_step_syncs
+    from evospec.vocab.retrieval import target_feedback
+    got, inputs, syncs = feedback_step_syncs("cuda")
+    assert len(syncs) == 1, syncs
+    for fb, args in zip(got, zip(*inputs)):
+        want = target_feedback(*args)
+        assert (fb.misses, fb.positions, fb.candidates.keys()) == (want.misses, want.positions, want.candidates.keys())
+        assert all(fb.candidates[i] == pytest.approx(want.candidates[i], rel=1e-5) for i in want.candidates)

@@ -10,7 +10,7 @@ from evospec.engine.drafter import FeedbackRequest, feedbacks_for
 from evospec.engine.generate import SpeculativeDecoder
 from evospec.engine.stats import SpecStats
 from evospec.engine.target import VerifiedStep
-from evospec.testing import HostSyncCounter, chi_square_p, exact_two_token_joint, random_pair
+from evospec.testing import HostSyncCounter, chi_square_p, exact_two_token_joint, random_feedback_batch, random_pair
 from evospec.verify import VerifyResult
 from evospec.vocab.dynamic import DynamicBuffer
 from evospec.vocab.policy import SOURCES, EvoSpecPolicy, EvoSpecSettings
@@ -168,23 +168,9 @@ def test_target_feedback_candidates_equal_the_masked_definition(seed):
     assert all(fb.candidates[i] == pytest.approx(want[i], abs=1e-5) for i in want)
 
 
-def feedback_batch(seed: int, requests: int, vocab: int = 500):
-    """Random steps: rows of flat to peaked distributions, random A, committed tokens inside and outside A
-    (repeats too), with and without candidates."""
-    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    logits, committed, masks, wanted = [], [], [], []
-    for _ in range(requests):
-        n = rng.randint(1, 5)
-        logits.append(torch.randn(n, vocab, generator=gen) * rng.choice([0.5, 2.0, 6.0]))
-        masks.append(torch.rand(vocab, generator=gen) < rng.random())
-        committed.append([rng.randrange(vocab) for _ in range(n)])
-        wanted.append(rng.random() < 0.8)
-    return logits, committed, masks, wanted
-
-
 @pytest.mark.parametrize("seed", range(12))
 def test_batched_feedback_equals_the_per_request_feedback(seed):
-    logits, committed, masks, wanted = feedback_batch(seed, requests=1 + seed % 6)
+    logits, committed, masks, wanted = random_feedback_batch(seed, requests=1 + seed % 6)
     batched = feedbacks_on_device(logits, committed, masks, wanted)
     for fb, args in zip(batched, zip(logits, committed, masks, wanted)):
         want = target_feedback(*args)
@@ -197,7 +183,7 @@ def test_batched_feedback_equals_the_per_request_feedback(seed):
 def test_batched_feedback_synchronises_once():
     """On a GPU the per-request feedback reads values several times per request (nonzero, item, tolist); the batch
     reads them once per step. The masks are the target's A mirrors, which live on its device."""
-    logits, committed, masks, wanted = feedback_batch(0, requests=8)
+    logits, committed, masks, wanted = random_feedback_batch(0, requests=8)
     with HostSyncCounter(host_tensors=[]) as counter:
         feedbacks_on_device(logits, committed, masks, wanted)
     assert counter.calls == ["tolist"]
