@@ -1,10 +1,11 @@
 """The two implementations of batched verification side by side on this machine (evospec/verify.py): `verify_each`
 (the per-tree reference, which the engine takes on a CPU) and `verify_on_device` (batch-first, which it takes on an
-accelerator), on random trees over Qwen3's vocabulary with a 32k active set.
+accelerator), on random trees over Qwen3's vocabulary with a 32k active set; and likewise the step's vocabulary
+feedback (evospec/vocab/retrieval.py): `target_feedback` request by request against `feedbacks_on_device`.
 
     python -m evospec.bench.verify_cost [--device cpu|cuda] [--repeats 5]
 
-Prints ms per verify step (median, min, max) for greedy and sampled batches of several sizes.
+Prints ms per step (median, min, max) for greedy and sampled batches of several sizes, then for the feedback.
 """
 from __future__ import annotations
 
@@ -16,11 +17,14 @@ import torch
 
 from evospec.config import SamplingParams
 from evospec.model.qwen3 import synchronize
+from evospec.testing import random_feedback_batch
 from evospec.tree import DraftTree
 from evospec.verify import verify_each, verify_on_device
+from evospec.vocab.retrieval import feedbacks_on_device, target_feedback
 
 VOCAB, ACTIVE = 151936, 32768
 SIZES = ((1, 8), (4, 8), (16, 16))  # (trees, nodes per tree)
+FEEDBACK_SIZES = (1, 8, 32)  # requests
 
 
 def random_step(rng: random.Random, trees: int, nodes: int, greedy: bool, device: torch.device):
@@ -48,19 +52,30 @@ def main(argv: list[str] | None = None) -> None:
     for greedy in (True, False):
         for trees, nodes in SIZES:
             step = random_step(rng, trees, nodes, greedy, device)
-            cells = []
-            for verify in (verify_each, verify_on_device):
-                times = []
-                for _ in range(args.repeats):
-                    gens = [torch.Generator(device=device).manual_seed(i) for i in range(trees)]
-                    synchronize(device)
-                    t0 = time.perf_counter()
-                    verify(*step, gens)
-                    synchronize(device)
-                    times.append(1000 * (time.perf_counter() - t0))
-                times.sort()
-                cells.append(f"{verify.__name__} {times[len(times) // 2]:.1f} ({times[0]:.1f}-{times[-1]:.1f})")
+            cells = [f"{verify.__name__} " + timed(lambda: verify(*step, [
+                torch.Generator(device=device).manual_seed(i) for i in range(trees)]), device, args.repeats)
+                for verify in (verify_each, verify_on_device)]
             print(f"{'greedy' if greedy else 'sampled'} {trees} x {nodes}: " + ", ".join(cells))
+    for requests in FEEDBACK_SIZES:
+        logits, committed, masks, wanted = random_feedback_batch(requests, requests, vocab=VOCAB)
+        step = ([rows.to(device) for rows in logits], committed, [mask.to(device) for mask in masks], wanted)
+        per_request = timed(lambda: [target_feedback(*args) for args in zip(*step)], device, args.repeats)
+        batched = timed(lambda: feedbacks_on_device(*step), device, args.repeats)
+        print(f"feedback {requests} requests: target_feedback each {per_request}, feedbacks_on_device {batched}")
+
+
+def timed(fn, device: torch.device, repeats: int) -> str:
+    """median (min-max) ms of `repeats` runs after one untimed one."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(1000 * (time.perf_counter() - t0))
+    times.sort()
+    return f"{times[len(times) // 2]:.2f} ({times[0]:.2f}-{times[-1]:.2f})"
 
 
 if __name__ == "__main__":
