@@ -29,7 +29,7 @@ from evospec.verify import VerifyResult, verify_batch
 
 # Per-depth acceptance of the real pair (Qwen2.5-Coder 0.5B -> 1.5B), medical prompts, greedy, chain of 4 and tree
 # depth 4 x branching 2, budget 8, from `evospec bench real --sets medical --temperatures 0 ... --out
-# results/acceptance_real` (the whole command: docs/results.md, "GPU check").
+# results/acceptance_real` (the whole command: docs/results.md, "The GPU check, prepared").
 ACCEPTANCE_RESULTS = Path("results/acceptance_real/bench_real.json")
 
 
