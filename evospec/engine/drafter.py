@@ -100,15 +100,16 @@ class BatchDrafter(Protocol):
 def observe_locally(engine: DraftEngine, steps: list[tuple[DraftSession, VerifiedStep, SpecStats]]) -> None:
     """In-process feedback of verified steps: misses and candidates (target side, all sessions at once), the teacher
     signal when the draft adapts (a direct call: the same object the service sends in its frames), commit and buffer
-    update. The feedback's time is shared evenly among the sessions' buffer update times."""
+    update. The feedback's time is shared evenly among the buffer update times of the sessions it served."""
     start = time.perf_counter()
     restricted = [(session, verified, stats) for session, verified, stats in steps if session.vocab.restricted]
     feedbacks = dict(zip((id(session) for session, _, _ in restricted), feedbacks_for(
         [FeedbackRequest(verified, session.vocab.in_active(), session.vocab.wants_target_feedback, stats,
                          session.vocab.source_of) for session, verified, stats in restricted])))
-    shared = (time.perf_counter() - start) / max(1, len(steps))
+    shared = (time.perf_counter() - start) / max(1, len(restricted))
     for session, verified, stats in steps:
-        observe_session(engine, session, verified, stats, feedbacks.get(id(session)), shared)
+        fb = feedbacks.get(id(session))
+        observe_session(engine, session, verified, stats, fb, shared if fb is not None else 0.0)
 
 
 def observe_session(engine: DraftEngine, session: DraftSession, verified: VerifiedStep, stats: SpecStats,
