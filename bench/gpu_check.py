@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -38,8 +37,10 @@ from pathlib import Path
 
 import torch
 
+from evospec.bench.harness import run_ms
 from evospec.bench.replay import ACCEPTANCE_RESULTS, ReplayedAcceptance, measured_acceptance, replayed
 from evospec.config import SamplingParams, SpecParams, TreeParams
+from evospec.loading import cpu_description
 from evospec.model import Qwen3, Qwen3Config, Segment
 from evospec.model.qwen3 import forward_seconds, synchronize
 from evospec.testing import random_qwen3, tiny_config
@@ -102,12 +103,7 @@ def step(fn):
 
 def environment(device: torch.device) -> dict:
     env = {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-           "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
-    try:
-        with open("/proc/cpuinfo") as f:
-            env["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+           "cpu": cpu_description(), "threads": torch.get_num_threads()}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env.update(device=props.name, memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda)
@@ -150,7 +146,7 @@ def forward_costs(model: Qwen3, context: int, cpu: bool) -> dict:
     caches = [prefilled_cache(model, context, 1) for _ in range(max(batches))]
     by_tokens = {n: round(1000 * s, 3) for n, s in forward_seconds(model, tokens, context, with_head=True).items()}
     device = model.embed_tokens.weight.device
-    by_batch = {b: best_ms(lambda b=b: forward(caches[:b], model, 1), device) for b in batches}
+    by_batch = {b: round(run_ms(lambda b=b: forward(caches[:b], model, 1), 3, device)[0], 3) for b in batches}
     return {"context": context, "by_new_tokens": by_tokens, "by_batch": by_batch}
 
 
@@ -165,19 +161,6 @@ def forward(caches, model: Qwen3, n: int) -> None:
     """n new tokens per cache, not committed (the next call writes the same slots)."""
     hidden = model.forward_packed([Segment.chain(c, [7 + i for i in range(n)]) for c in caches])
     model.full_logits(hidden)
-
-
-def best_ms(fn, device: torch.device, repeats: int = 3) -> float:
-    """The fastest of `repeats` timed runs after one untimed one, in ms, each timed to the device's end."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return round(1000 * best, 3)
 
 
 def engine_steps(target: Qwen3, draft: Qwen3, max_tokens: int) -> dict:
@@ -260,7 +243,7 @@ def write(report: dict, out: Path) -> None:
 def markdown(report: dict) -> str:
     env = report["environment"]
     lines = [f"# gpu_check ({report['mode']})", "",
-             f"{env.get('device')} · torch {env['torch']} · CPU {env['cpu']} ({env['cpu_capability']}) · "
+             f"{env.get('device')} · torch {env['torch']} · CPU {env['cpu']} · "
              f"{report['elapsed_s']} s", "",
              f"- tests/gpu: {report['tests_gpu'].get('summary', report['tests_gpu'].get('error'))}",
              f"- verify host syncs per step: {report['verify_host_syncs']}", ""]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from evospec.bench.harness import Arm, markdown_table, run_side_by_side, write_results
+from evospec.bench.harness import Arm, markdown_table, run_ms, run_side_by_side, write_results
 from evospec.bench.v1 import tokenize_sets
 from evospec.config import SamplingParams, SpecParams, TreeParams
 from evospec.datasets import split_pubmedqa
@@ -89,13 +89,7 @@ def service_arm(client, arm: Arm) -> Arm:
 
 
 def median_ms(fn, repeats: int = 30) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return round(1000 * statistics.median(times), 3)
+    return round(statistics.median(run_ms(fn, repeats)), 3)
 
 
 def head_costs(weight: torch.Tensor, static_ids: torch.Tensor, statics, dynamics, rows=(1, 4)) -> dict:

@@ -6,14 +6,17 @@ import json
 import statistics
 import time
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from pathlib import Path
 from typing import Callable
 
+import torch
 from tqdm import tqdm
 
 from evospec.config import SamplingParams, SpecParams
 from evospec.engine.generate import SpeculativeDecoder
 from evospec.engine.stats import SpecStats
+from evospec.model.qwen3 import synchronize
 from evospec.vocab.policy import SOURCES
 
 
@@ -65,6 +68,20 @@ def summarize(values: list[float]) -> dict:
     return {"min": round(min(values), 4), "median": round(statistics.median(values), 4), "max": round(max(values), 4)}
 
 
+def run_ms(fn, repeats: int, device: torch.device = torch.device("cpu")) -> list[float]:
+    """ms of `repeats` runs of `fn` after one untimed one (first calls choose kernels), each timed to the device's
+    end, fastest first."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(1000 * (time.perf_counter() - start))
+    return sorted(times)
+
+
 def median_by_depth(repeats: list[list[float]]) -> list[float]:
     """Per depth d (1-based position d - 1), the median over repeats of the share of steps that accepted at least d
     drafted tokens (a repeat that never reached depth d counts 0)."""
@@ -99,10 +116,8 @@ def run_arm(decoder: SpeculativeDecoder, arm: Arm, prompts: list[list[int]],
         if stats is not None:
             for name in SUMMED:
                 setattr(total, name, getattr(total, name) + getattr(stats, name))
-            for depth, count in enumerate(stats.accepted_per_pos):
-                if depth == len(total.accepted_per_pos):
-                    total.accepted_per_pos.append(0)
-                total.accepted_per_pos[depth] += count
+            total.accepted_per_pos = [a + b for a, b in zip_longest(total.accepted_per_pos, stats.accepted_per_pos,
+                                                                    fillvalue=0)]
         outputs.append(out)
         generated += len(out)
     elapsed = time.perf_counter() - start

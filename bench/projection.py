@@ -160,8 +160,8 @@ def from_gpu_check(check: dict, hit: float = 0.5) -> dict:
 
 
 def decoupled_transport(check: dict) -> tuple[float, str]:
-    """ms of transport per drafting step: from the GPU run's `bench decoupled` breakdown when it ran, else the CPU
-    measurement."""
+    """ms of transport per drafting step: from the check's own `bench decoupled` breakdown when that step ran (on
+    the check's device), else the CPU measurement."""
     result = check.get("decoupled", {})
     path = Path(result.get("json", ""))
     if result.get("rc") == 0 and path.is_file():
@@ -171,7 +171,7 @@ def decoupled_transport(check: dict) -> tuple[float, str]:
         if transports:
             return (transports[len(transports) // 2],
                     f"median of bench decoupled's profiles on {check['environment'].get('device')} (tiny pair)")
-    return CPU_TRANSPORT_MS, f"{CPU_TRANSPORT_MS} ms, measured on CPU (no decoupled run on a GPU)"
+    return CPU_TRANSPORT_MS, f"{CPU_TRANSPORT_MS} ms, measured on CPU (the check's decoupled step did not run)"
 
 
 def print_gpu_table(table: dict) -> None:
@@ -193,6 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.gpu_check is not None and not args.gpu_check.is_file():
         ap.error(f"--gpu-check: no file {args.gpu_check}")
+    if not 0.0 <= args.hit <= 1.0:
+        ap.error(f"--hit: a share of steps, in [0, 1]; got {args.hit}")
     if args.gpu_check:
         print_gpu_table(from_gpu_check(json.loads(args.gpu_check.read_text()), args.hit))
         return

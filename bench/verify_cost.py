@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
 
 import torch
 
+from evospec.bench.harness import run_ms
 from evospec.config import SamplingParams
-from evospec.model.qwen3 import synchronize
 from evospec.testing import random_feedback_batch
 from evospec.tree import DraftTree
 from evospec.verify import verify_each, verify_on_device
@@ -66,15 +65,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def timed(fn, device: torch.device, repeats: int) -> str:
     """median (min-max) ms of `repeats` runs after one untimed one."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(1000 * (time.perf_counter() - t0))
-    times.sort()
+    times = run_ms(fn, repeats, device)
     return f"{times[len(times) // 2]:.2f} ({times[0]:.2f}-{times[-1]:.2f})"
 
 

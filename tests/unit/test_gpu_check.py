@@ -72,3 +72,12 @@ def test_interpolation_between_and_beyond_measured_sizes():
     table = {"1": 2.0, "4": 5.0, "8": 9.0}
     assert interpolate(table, 1) == 2.0 and interpolate(table, 2) == 3.0 and interpolate(table, 6) == 7.0
     assert interpolate(table, 12) == 13.0 and interpolate(table, 0) == 2.0
+
+
+@pytest.mark.parametrize("argv,option", [(["--gpu-check", "/nonexistent/gpu_check.json"], "--gpu-check"),
+                                         (["--hit", "1.5"], "--hit"), (["--hit", "-0.1"], "--hit")])
+def test_projection_refuses_bad_options_naming_them(argv, option, capsys):
+    from evospec.bench.projection import main
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2 and option in capsys.readouterr().err
