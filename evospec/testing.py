@@ -150,7 +150,7 @@ def prometheus_values(text: str, ignore: tuple[str, ...] = ("model_name",)) -> d
 
 VERIFY_VOCAB = 40  # random_batch's vocabulary
 VERIFY_SAMPLINGS = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
-             SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.0, top_k=8)]
+                    SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.0, top_k=8)]
 
 
 def drafted_tree(rng: random.Random, gen: torch.Generator, size: int, sampling: SamplingParams,
