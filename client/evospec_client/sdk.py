@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 
 from evospec_client.api.v1 import generate_pb2 as pb
@@ -136,7 +137,7 @@ def _stats(msg: pb.GenerateResponse) -> dict:
     """The statistics as a plain dict, enums as their strings (stats["method"] == "evospec")."""
     if not msg.HasField("stats"):
         return {}
-    stats = MessageToDict(msg.stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    stats = _as_dict(msg.stats, always_print_fields_with_no_presence=True)
     for stat in msg.stats.DESCRIPTOR.fields:
         if stat.enum_type is not None:
             stats[stat.name] = _enum_string(msg.stats, stat.name)
@@ -154,7 +155,23 @@ def _completion(msg: pb.GenerateResponse) -> Completion:
 
 
 def _info(msg: pb.InfoResponse) -> dict:
-    return MessageToDict(msg, preserving_proto_field_name=True)
+    return _as_dict(msg)
+
+
+INT64_TYPES = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
+               FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64}
+
+
+def _as_dict(msg, **options) -> dict:
+    """A flat message as a plain dict under its proto field names, every field its Python type: protobuf's JSON
+    mapping writes 64-bit integers as strings (JSON numbers lose precision past 2**53), which a Python caller
+    should not see (`info()["max_prompt_bytes"]` is an int)."""
+    values = MessageToDict(msg, preserving_proto_field_name=True, **options)
+    for proto_field in msg.DESCRIPTOR.fields:
+        if proto_field.type in INT64_TYPES and proto_field.name in values:
+            value = values[proto_field.name]
+            values[proto_field.name] = [int(v) for v in value] if isinstance(value, list) else int(value)
+    return values
 
 
 # What a service that is still deploying answers: no app yet (NOT_FOUND), its replica still loading (a deadline).

@@ -26,7 +26,7 @@ class Flaky(pb_grpc.GenerateServicer):
 
     def Info(self, request, context):
         self._maybe_fail("Info", context)
-        return pb.InfoResponse(version="x")
+        return pb.InfoResponse(version="x", max_model_len=4096, max_prompt_bytes=1 << 40)
 
     def Generate(self, request, context):
         if self.fail_midstream:
@@ -34,7 +34,8 @@ class Flaky(pb_grpc.GenerateServicer):
             yield pb.GenerateResponse(token_ids=[1], text="a")
             context.abort(grpc.StatusCode.UNAVAILABLE, "target restarting, retry")
         self._maybe_fail("Generate", context)
-        yield pb.GenerateResponse(token_ids=[1, 2], text="ab", finish_reason=pb.FINISH_REASON_LENGTH)
+        yield pb.GenerateResponse(token_ids=[1, 2], text="ab", finish_reason=pb.FINISH_REASON_LENGTH,
+                                  stats=pb.SpecStats(steps=2, teacher_signal_bytes=3 << 33))
 
 
 @pytest.fixture
@@ -58,6 +59,14 @@ def test_unary_calls_are_retried_on_unavailable(serve):
     client = serve(servicer)
     assert client.info()["version"] == "x"
     assert servicer.calls["Info"] == 3
+
+
+def test_info_and_stats_fields_keep_their_types(serve):
+    """64-bit fields are ints, not protobuf JSON's strings (info() once returned max_prompt_bytes as "1099511627776")."""
+    client = serve(Flaky(failures=0))
+    info = client.info()
+    assert info["max_prompt_bytes"] == 1 << 40 and info["max_model_len"] == 4096
+    assert client.generate("hi").stats["teacher_signal_bytes"] == 3 << 33
 
 
 def test_retries_stop_at_the_calls_deadline(serve):
