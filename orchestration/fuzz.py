@@ -367,6 +367,7 @@ def summarize(outcomes: list[Outcome], seconds: float, health: str) -> dict:
 # unit tests (tests/unit/test_openai_api.py) run every entry; `evospec fuzz --api openai` samples them.
 HTTP_INVALID: dict[str, list] = {
     "max_tokens": ["4", True, 4.5, 0, -1, 2 ** 32, 2 ** 64, [4]],
+    "max_completion_tokens": ["4", True, 4.5, 0, -1, 2 ** 32],
     "temperature": ["0", True, -1, 101, [0.5]],
     "top_p": ["1", False, 0, 1.5],
     "top_k": ["5", True, -2, 2 ** 32, 2 ** 63, 2 ** 64, 1.5],
@@ -395,7 +396,9 @@ HTTP_VALID: dict[str, list] = {
     "top_k": [-1, 0, 2 ** 32 - 1], "seed": [0, 2 ** 64 - 1], "temperature": [0, 1], "stream": [None, True],
     "ignore_eos": [None, True], "logprobs": [None, False], "n": [1], "tool_choice": ["none"],
     "response_format": [{"type": "text"}], "echo": [False], "unknown_field": ["\u00e9", 5],
-    "speculation": [{"method": "ar"}, {"method": "evospec", "depth": 2}], "stop": [["\n\n"]],
+    "speculation": [{"method": "ar"}, {"method": "evospec", "depth": 2}, {"retrieval": []},
+                    {"method": "evospec", "retrieval": ["target", "statistical"]}],
+    "stop": [["\n\n"]], "max_completion_tokens": [None, 1],
 }
 HTTP_NOT_FOUND = [("model", "gpt-4")]  # refused with 404 model_not_found (it names `model` too)
 HTTP_ROUTES = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}

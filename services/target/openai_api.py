@@ -18,7 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -65,7 +65,11 @@ def speculation_options_model() -> type[BaseModel]:
     here. Integers are bounded by the gRPC API's width; SpecParams checks the rest."""
     def annotation(option: str):
         declared = spec_field(option).annotation
-        return Uint32 if declared is int else declared
+        if declared is int:
+            return Uint32
+        if get_origin(declared) is tuple:  # a JSON array (strict mode takes only a Python tuple for `tuple`)
+            return list[get_args(declared)[0]]
+        return declared
     fields = {option: (annotation(option) | None, None) for option in SPEC_OPTIONS}
     return create_model("SpeculationOptions", __config__=ConfigDict(extra="forbid", strict=True), **fields)
 
@@ -93,6 +97,8 @@ class _CommonRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False  # vLLM's extension (load tools send it)
     speculation: SpeculationOptions | None = None  # type: ignore[valid-type]
+    # The chat route's newer name for max_tokens; honoured on both routes (vLLM does), never silently ignored.
+    max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     # Supported only at their neutral value (refuse_unsupported), on both routes:
     n: int | None = None
     presence_penalty: float | None = None
@@ -110,7 +116,6 @@ class _CommonRequest(BaseModel):
 
 class ChatRequest(_CommonRequest):
     messages: list[dict[str, Any]]
-    max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
 
 
 class CompletionRequest(_CommonRequest):
@@ -142,6 +147,22 @@ def _encodable(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+DRAIN_FACTOR = 4  # a body over the limit is read (and dropped) up to this many times the limit before the 413
+JSON_MEDIA_TYPES = ("application/json",)  # and any application/<x>+json
+
+
+def refuse_non_json(content_type: str | None) -> None:
+    """OpenAIError(415) naming `Content-Type` unless the body is declared JSON. No header at all is read as JSON (as
+    FastAPI and vLLM do: minimal clients omit it); text/plain, a form or anything else is refused, not guessed."""
+    if content_type is None:
+        return
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    if media_type in JSON_MEDIA_TYPES or (media_type.startswith("application/") and media_type.endswith("+json")):
+        return
+    raise OpenAIError(415, f"Content-Type: {media_type or '(empty)'!r} is not JSON; send 'application/json'",
+                      "invalid_request_error", "Content-Type")
 
 
 def _no_constant(name: str):
@@ -277,17 +298,22 @@ class OpenAIFront:
 
     # ---- request parsing ------------------------------------------------------------------------------------------
     async def _body(self, request, model: type[BaseModel]) -> BaseModel:
-        """The JSON body as `model`, within the size limit; InvalidRequestError / OpenAIError(413) otherwise."""
+        """The JSON body as `model`, within the size limit; InvalidRequestError / OpenAIError(413, 415) otherwise.
+        A body over the limit is still read to its end (up to DRAIN_FACTOR x the limit) before the 413, so a client
+        that sends the whole body before it reads the answer gets the 413, not a connection reset."""
+        refuse_non_json(request.headers.get("content-type"))
         limit = max_request_bytes()
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise OpenAIError(413, f"the body is {declared} bytes; at most {limit} are accepted",
-                              "invalid_request_error")
-        data = bytearray()
+        data, size = bytearray(), 0
         async for chunk in request.stream():
-            data += chunk
-            if len(data) > limit:
-                raise OpenAIError(413, f"the body is over {limit} bytes", "invalid_request_error")
+            size += len(chunk)
+            if size > DRAIN_FACTOR * limit:
+                break  # past any honest client: let the connection close
+            if size <= limit:
+                data += chunk
+        if size > limit or (declared is not None and declared.isdigit() and int(declared) > limit):
+            raise OpenAIError(413, f"the body is {declared or f'over {limit}'} bytes; at most {limit} are accepted",
+                              "invalid_request_error")
         return await asyncio.to_thread(parse_body, bytes(data), model)  # megabytes of JSON: not on the event loop
 
     def _check_model(self, model: str | None) -> None:
@@ -295,8 +321,8 @@ class OpenAIFront:
             raise OpenAIError(404, f"the model {model!r} does not exist here; this server serves "
                                    f"{self.model_name!r}", "invalid_request_error", "model", "model_not_found")
 
-    async def _generate_request(self, body: _CommonRequest, prompt: Prompt, max_tokens: int | None,
-                                request_id: str) -> tuple[GenerateRequest, int]:
+    async def _generate_request(self, body: _CommonRequest, prompt: Prompt, request_id: str
+                                ) -> tuple[GenerateRequest, int]:
         """The typed request and its prompt length. The prompt is tokenized here (on a worker thread) so that an
         unset max_tokens can take `default_max_tokens`, at most the rest of the context."""
         self._check_model(body.model)
@@ -307,7 +333,8 @@ class OpenAIFront:
             raise InvalidRequestError("messages" if prompt.messages else "prompt",
                                       f"has {len(prompt_ids)} tokens; the context holds "
                                       f"{self.server.decoder.max_model_len}: shorten it")
-        values = {"max_tokens": max_tokens or min(self.public.default_max_tokens, room),
+        max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        values = {"max_tokens": getattr(body, max_tokens_param) or min(self.public.default_max_tokens, room),
                   "temperature": OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
                   "ignore_eos": bool(body.ignore_eos)}
         values |= {k: v for k in ("top_p", "top_k", "seed") if (v := getattr(body, k)) is not None}
@@ -315,9 +342,9 @@ class OpenAIFront:
             values["top_k"] = 0  # vLLM's "off"
         sampling = validated(SamplingParams, **values)
         if sampling.max_tokens > room:
-            raise InvalidRequestError("max_tokens", f"is {sampling.max_tokens}, but the prompt's {len(prompt_ids)} "
-                                                    f"tokens leave {room} of the {self.server.decoder.max_model_len}"
-                                                    f"-token context")
+            raise InvalidRequestError(max_tokens_param, f"is {sampling.max_tokens}, but the prompt's "
+                                                        f"{len(prompt_ids)} tokens leave {room} of the "
+                                                        f"{self.server.decoder.max_model_len}-token context")
         return GenerateRequest(Prompt(token_ids=prompt_ids), sampling, spec_of(body.speculation, self.server),
                                request_id, stop_strings(body.stop)), len(prompt_ids)
 
@@ -326,15 +353,13 @@ class OpenAIFront:
         async def parse(request_id: str):
             body = await self._body(request, ChatRequest)
             prompt = Prompt(messages=chat_messages(body.messages))
-            return body, *(await self._generate_request(body, prompt, body.max_completion_tokens or body.max_tokens,
-                                                        request_id))
+            return body, *(await self._generate_request(body, prompt, request_id))
         return await self._complete(request, parse, chat=True)
 
     async def completions(self, request):
         async def parse(request_id: str):
             body = await self._body(request, CompletionRequest)
-            return body, *(await self._generate_request(body, completion_prompt(body.prompt), body.max_tokens,
-                                                        request_id))
+            return body, *(await self._generate_request(body, completion_prompt(body.prompt), request_id))
         return await self._complete(request, parse, chat=False)
 
     async def models(self, request):

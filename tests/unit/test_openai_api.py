@@ -231,6 +231,26 @@ def test_not_json_unknown_route_and_missing_key(stack):
     assert [m["id"] for m in models["data"]] == [MODEL]
 
 
+@pytest.mark.parametrize("content_type, status", [("text/plain", 415), ("application/x-www-form-urlencoded", 415),
+                                                  ("multipart/form-data; boundary=x", 415), ("", 415),
+                                                  ("application/json; charset=utf-8", 200),
+                                                  ("application/vnd.api+json", 200), (None, 200)])
+def test_only_json_bodies_are_read_as_json(stack, content_type, status):
+    """A JSON body declared as text (or a form) is refused with 415 naming Content-Type, not guessed at; no header at
+    all is read as JSON (as FastAPI and vLLM do)."""
+    app, _ = stack
+    headers = {"Authorization": "Bearer tok-123"} | ({} if content_type is None else {"content-type": content_type})
+
+    async def post():
+        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://test") as http:
+            return await http.post("/v1/completions", content=json.dumps(BASE_BODIES["/v1/completions"]).encode(),
+                                   headers=headers)
+    r = run(post())
+    assert r.status_code == status, r.text
+    if status == 415:
+        assert r.json()["error"]["param"] == "Content-Type"
+
+
 def test_overloaded_is_429_with_retry_after(stack, monkeypatch):
     app, server = stack
     from evospec.errors import OverloadedError
