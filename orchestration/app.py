@@ -16,7 +16,7 @@ from evospec.services.target.deployment import TargetDeployment
 
 # Serve's gRPC proxy must register our public service (and standard health) on its server. The first entry registers
 # no service: it makes the proxy answer a failed target replica with UNAVAILABLE and no internals, and hand malformed
-# requests to our front (INVALID_ARGUMENT); it must precede the services it applies to (ingress.py).
+# requests to our front (INVALID_ARGUMENT); it must precede the services it applies to (services/target/ingress/).
 GRPC_SERVICER_FUNCTIONS = [
     "evospec.services.target.ingress.install_error_policy",
     "evospec_client.api.v1.generate_pb2_grpc.add_GenerateServicer_to_server",

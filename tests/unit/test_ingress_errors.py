@@ -13,9 +13,11 @@ from ray.serve.exceptions import DeploymentUnavailableError, gRPCStatusError
 
 from evospec.errors import InvalidRequestError
 from evospec.services.target.ingress import (
+    HEALTH_REASON_KEY,
     TARGET_RESTARTING,
-    _fail_fast_without_replicas,
+    fail_fast_without_replicas,
     install_error_policy,
+    not_serving_while_unavailable,
     public_status,
     until_done_or_no_replicas,
 )
@@ -95,7 +97,7 @@ def router_that_waits(monkeypatch, wait_s: float):
             raise
         return "replica-1"
     monkeypatch.setattr(AsyncioRouter, "route_and_send_request", route)
-    _fail_fast_without_replicas()
+    fail_fast_without_replicas()
     return AsyncioRouter.route_and_send_request, seen
 
 
@@ -157,3 +159,53 @@ def test_a_replica_back_within_the_grace_takes_the_call():
         await until_done_or_no_replicas(choosing, lambda: not replicas, grace_s=0.5, poll_s=0.05)
         return choosing.done() and choosing.result()
     assert asyncio.run(scenario()) == "replica-2"
+
+
+def serve_check(proxied) -> tuple:
+    """grpc.health.v1 Check served by a real gRPC aio server whose handler is Serve's (here `proxied`, raw bytes in
+    and out, as the proxy's are) wrapped by our rule; returns (status, reason) as a health client sees them."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async def scenario():
+        handler = grpc.unary_unary_rpc_method_handler(proxied)  # no (de)serializers: bytes, as in Serve's proxy
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+            "grpc.health.v1.Health", {"Check": not_serving_while_unavailable(handler)})])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+                reply = await call
+                trailers = dict(await call.trailing_metadata())
+                return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status), trailers.get(HEALTH_REASON_KEY)
+        finally:
+            await server.stop(None)
+    return asyncio.run(scenario())
+
+
+def test_health_check_during_a_restart_is_not_serving_with_its_reason():
+    """What Serve's proxy answers while no target replica runs (UNAVAILABLE, sometimes with the bare text
+    "UNAVAILABLE") reaches a health checker as NOT_SERVING with a reason, not as a transport error."""
+    for details, reason in ((TARGET_RESTARTING, TARGET_RESTARTING), ("UNAVAILABLE", TARGET_RESTARTING),
+                            ("", TARGET_RESTARTING), ("draining", "draining")):
+        async def restarting(request, context, details=details):
+            context.set_code(grpc.StatusCode.UNAVAILABLE)
+            context.set_details(details)
+            return b""
+        assert serve_check(restarting) == ("NOT_SERVING", reason)
+
+
+def test_health_check_answers_of_a_replica_pass_unchanged():
+    from grpc_health.v1 import health_pb2
+
+    async def serving(request, context):
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING).SerializeToString()
+    assert serve_check(serving)[0] == "SERVING"
+
+    async def unknown(request, context):
+        context.set_code(grpc.StatusCode.NOT_FOUND)
+        return b""
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        serve_check(unknown)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
