@@ -57,9 +57,8 @@ import time
 from pathlib import Path
 
 from evospec.bench.harness import summarize as min_median_max
-from evospec.config import TreeParams
+from evospec.config import TreeParams, clip_depth
 from evospec.datasets import REALISTIC_PROMPT_SETS
-from evospec.engine.budget import clip_depth
 from evospec.loadtest.datasets import LoadRequest, build_requests
 from evospec.loadtest.run import RequestResult, run_load
 from evospec.loadtest.run import summarize as summarize_load

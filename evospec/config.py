@@ -5,7 +5,9 @@ Invalid values raise `InvalidRequestError(field, message)` through `validated(..
 """
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 from typing import Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -14,6 +16,32 @@ from evospec.errors import InvalidRequestError
 
 Method = Literal["ar", "sd", "frspec", "evospec"]
 METHODS: tuple[str, ...] = get_args(Method)
+
+
+@dataclass(frozen=True)
+class MethodTraits:
+    """What a method does: the only place that maps a method's name to behaviour (everything else asks
+    `traits(method)`). drafts: it proposes trees at all (`ar` is the target alone). static_head: its draft head is
+    the static vocabulary S (else every row of the head). dynamic_buffer: it adds EvoSpec's per-generation buffer D
+    to S (and with it online retrieval and target-fed candidates)."""
+    drafts: bool
+    static_head: bool = False
+    dynamic_buffer: bool = False
+
+
+METHOD_TRAITS: dict[str, MethodTraits] = {
+    "ar": MethodTraits(drafts=False),
+    "sd": MethodTraits(drafts=True),
+    "frspec": MethodTraits(drafts=True, static_head=True),
+    "evospec": MethodTraits(drafts=True, static_head=True, dynamic_buffer=True),
+}
+assert set(METHOD_TRAITS) == set(METHODS), "every method of Method needs its traits here"
+DRAFTING_METHODS: tuple[str, ...] = tuple(m for m in METHODS if METHOD_TRAITS[m].drafts)
+
+
+def traits(method: str) -> MethodTraits:
+    return METHOD_TRAITS[method]
+
 TreeShape = Literal["chain", "tree"]
 Retrieval = Literal["statistical", "semantic", "target"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -80,6 +108,27 @@ class TreeParams(BaseModel):
         return 1 if self.shape == "chain" else self.branching
 
 
+def clipped_size(params: TreeParams, k: int) -> tuple[int, int]:
+    """(depth, most nodes) of the request's shape cut to k levels: `clip_depth` without building it (the budget
+    evaluates this for every request and depth, every step)."""
+    if k <= 0:
+        return 0, 0
+    depth = min(k, params.levels)
+    if params.shape == "chain":
+        return depth, depth
+    b = params.branching
+    return depth, min(params.budget, b + (depth - 1) * b * b)
+
+
+@functools.lru_cache(maxsize=1024)  # shapes are frozen (hashable) and few; this runs for every drafting request
+def clip_depth(params: TreeParams, k: int) -> TreeParams:
+    """The request's shape cut to at most k >= 1 levels (and the node budget such a tree can use)."""
+    depth, nodes = clipped_size(params, k)
+    if params.shape == "chain":
+        return params.model_copy(update={"num_draft_tokens": depth})
+    return params.model_copy(update={"depth": depth, "budget": nodes})
+
+
 class VocabParams(BaseModel):
     """static_size: K most frequent tokens (FR-Spec). dynamic_size: Dyna slots of the EvoSpec buffer."""
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -106,9 +155,7 @@ class SpecParams(BaseModel):
 
     @property
     def speculative(self) -> bool:
-        """The method drafts trees (every method but target-only `ar`; evospec.vocab.registry says which)."""
-        from evospec.vocab.registry import traits  # the registry builds on this module: imported on first use
-
+        """The method drafts trees (every method but target-only `ar`)."""
         return traits(self.method).drafts
 
 

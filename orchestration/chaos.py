@@ -96,6 +96,7 @@ class StreamResult:
     method: str
     token_ids: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
+    largest_delta: int = 0  # most tokens in one streamed message: > 1 = a step accepted drafted tokens
     finish_reason: str = ""
     stats: dict = field(default_factory=dict)
     error_code: str = ""
@@ -113,6 +114,7 @@ def stream_one(client, result: StreamResult, max_tokens: int) -> None:
             if delta.token_ids:
                 result.token_ids += delta.token_ids
                 result.times.append(time.monotonic())
+                result.largest_delta = max(result.largest_delta, len(delta.token_ids))
             if delta.finish_reason:
                 result.finish_reason, result.stats = delta.finish_reason, delta.stats
     except Exception as exc:  # noqa: BLE001 - what the client saw is the figure
@@ -137,6 +139,17 @@ def wait_started(results: list[StreamResult], tokens: int = 2, timeout_s: float 
     raise TimeoutError("streams did not start")
 
 
+def wait_speculating(results: list[StreamResult], timeout_s: float = 60.0) -> int:
+    """Wait until every speculative stream has shown a step that accepted drafted tokens (a streamed message of
+    several tokens, with stream_interval 1), so that a fault hits streams that really speculate (a chaos run in
+    which nothing drafted would prove nothing); returns how many did before `timeout_s`."""
+    speculative = [r for r in results if r.method != "ar"]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not all(r.largest_delta > 1 or r.finish_reason for r in speculative):
+        time.sleep(0.02)
+    return sum(r.largest_delta > 1 and not r.finish_reason for r in speculative)
+
+
 @dataclass
 class References:
     """A calm run: target-only (`ar`) greedy outputs, which every speculative stream must reproduce, and each
@@ -153,17 +166,23 @@ def greedy_references(client, prompts, max_tokens: int, methods=METHODS) -> Refe
     return References(tokens, {(p, m): run(p, m).stats["tau"] for p in prompts for m in methods})
 
 
-def speculation_back_s(client, timeout_s: float = 60.0) -> float:
-    """Seconds until a new request speculates again: drafted trees and no step without its draft."""
+def speculation_back_s(client, timeout_s: float = 60.0, concurrency: int = 1) -> float:
+    """Seconds until new requests speculate again: `concurrency` requests at once (one: a single stream; more:
+    under load), every one with drafted trees and no step without its draft."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def speculated(prompt: str) -> bool:
+        done = client.generate(prompt, method="evospec", max_tokens=8, ignore_eos=True)
+        return done.stats.get("drafted", 0) > 0 and not done.stats.get("fallback_steps", 0)
     start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        try:
-            done = client.generate(PROMPTS[0], method="evospec", max_tokens=8, ignore_eos=True)
-            if done.stats.get("drafted", 0) > 0 and not done.stats.get("fallback_steps", 0):
-                return time.monotonic() - start
-        except Exception:  # noqa: BLE001 - the service may still be recovering
-            pass
-        time.sleep(0.25)
+    with ThreadPoolExecutor(concurrency) as pool:
+        while time.monotonic() - start < timeout_s:
+            try:
+                if all(pool.map(speculated, [PROMPTS[i % len(PROMPTS)] for i in range(concurrency)])):
+                    return time.monotonic() - start
+            except Exception:  # noqa: BLE001 - the service may still be recovering
+                pass
+            time.sleep(0.25)
     return float("inf")
 
 
@@ -207,6 +226,7 @@ def draft_freeze(client, app: str, references, streams_per_method: int, max_toke
     pid = replica_pid(replica_actors(app, "Draft")[0])
     results, threads = start_streams(client, jobs_for(streams_per_method), max_tokens)
     wait_started(results)
+    speculating = wait_speculating(results)
     os.kill(pid, signal.SIGSTOP)
     try:
         time.sleep(freeze_s)
@@ -215,23 +235,26 @@ def draft_freeze(client, app: str, references, streams_per_method: int, max_toke
     back_s = speculation_back_s(client)  # from the thaw, while the streams may still run
     for t in threads:
         t.join(timeout=300)
-    return {"scenario": "draft_freeze", "freeze_s": freeze_s, **stream_figures(results, references),
-            "speculation_back_after_thaw_s": round(back_s, 2)}
+    return {"scenario": "draft_freeze", "freeze_s": freeze_s, "speculating_before_fault": speculating,
+            **stream_figures(results, references), "speculation_back_after_thaw_s": round(back_s, 2)}
 
 
 def draft_kill(client, app: str, references, streams_per_method: int, max_tokens: int) -> dict:
     results, threads = start_streams(client, jobs_for(streams_per_method), max_tokens)
     wait_started(results)
+    speculating = wait_speculating(results)
     before = replica_names(app, "Draft")
     killed = time.monotonic()
     kill_replica(app, "Draft")
     healthy = wait_replaced(app, "Draft", before)
-    back_s = speculation_back_s(client)  # measured while the streams may still run
+    back_s = speculation_back_s(client)  # a single new stream, while the killed-over streams may still run
     for t in threads:
         t.join(timeout=300)
-    return {"scenario": "draft_kill", **stream_figures(results, references),
+    back_loaded_s = speculation_back_s(client, concurrency=len(results))  # as many new streams at once
+    return {"scenario": "draft_kill", "speculating_before_fault": speculating, **stream_figures(results, references),
             "draft_healthy_after_kill_s": round(healthy - killed, 2),
-            "speculation_back_after_healthy_s": round(back_s, 2)}
+            "speculation_back_after_healthy_s": round(back_s, 2),
+            "speculation_back_under_load_s": round(back_loaded_s, 2)}
 
 
 def target_kill(client, app: str, streams: int, max_tokens: int) -> dict:
@@ -253,9 +276,11 @@ def new_calls_until_answering(client, since: float, timeout_s: float) -> dict:
     fail them fast, so the SDK's retry applies, never hold them to their deadline)."""
     from evospec_client import EvoSpecClient
     failures: list[tuple[str, float]] = []
+    health: set[str] = set()
     answered, answer_s = float("inf"), float("inf")
     with EvoSpecClient(client.address, retries=0) as probe:
         while time.monotonic() - since < timeout_s:
+            health.add(health_answer(client.address, client.metadata))
             start = time.monotonic()
             try:
                 probe.generate(PROMPTS[0], method="evospec", max_tokens=4, timeout=30)
@@ -268,7 +293,26 @@ def new_calls_until_answering(client, since: float, timeout_s: float) -> dict:
     return {"answers_again_after_s": round(answered, 2), "answering_call_s": round(answer_s, 2),
             "failed_new_calls": len(failures),
             "failed_new_call_codes": sorted({code for code, _ in failures}),
-            "slowest_failed_new_call_s": round(max((s for _, s in failures), default=0.0), 2)}
+            "slowest_failed_new_call_s": round(max((s for _, s in failures), default=0.0), 2),
+            "health_answers": sorted(health)}
+
+
+def health_answer(address: str, metadata=(), timeout_s: float = 10.0) -> str:
+    """What grpc.health.v1 Check answers now: "SERVING", "NOT_SERVING: <reason>" (the reason in the trailing
+    metadata) or the error status's code name."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from evospec.services.target.ingress import HEALTH_REASON_KEY
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply, call = health_pb2_grpc.HealthStub(channel).Check.with_call(
+                health_pb2.HealthCheckRequest(), timeout=timeout_s, metadata=metadata)
+        except grpc.RpcError as err:
+            return err.code().name
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    reason = dict(call.trailing_metadata() or ()).get(HEALTH_REASON_KEY)
+    return f"{status}: {reason}" if reason else status
 
 
 def answers_again_s(client, since: float, timeout_s: float) -> float:

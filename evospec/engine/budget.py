@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import collections
 import copy
-import functools
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from evospec.config import SpecParams, TreeParams
+from evospec.config import SpecParams, TreeParams, clipped_size, traits
 from evospec.model.qwen3 import Qwen3, forward_seconds
-from evospec.vocab.registry import traits
 
 
 class OnlineCost:
@@ -130,27 +128,6 @@ def draft_features(depth: int, sessions: int, rows_per_level: int) -> list[float
     return [1.0, float(sessions), float(depth), float(depth * rows_per_level)]
 
 
-def clipped_size(params: TreeParams, k: int) -> tuple[int, int]:
-    """(depth, most nodes) of the request's shape cut to k levels: `clip_depth` without building it (the budget
-    evaluates this for every request and depth, every step)."""
-    if k <= 0:
-        return 0, 0
-    depth = min(k, params.levels)
-    if params.shape == "chain":
-        return depth, depth
-    b = params.branching
-    return depth, min(params.budget, b + (depth - 1) * b * b)
-
-
-@functools.lru_cache(maxsize=1024)  # shapes are frozen (hashable) and few; this runs for every drafting request
-def clip_depth(params: TreeParams, k: int) -> TreeParams:
-    """The request's shape cut to at most k >= 1 levels (and the node budget such a tree can use)."""
-    depth, nodes = clipped_size(params, k)
-    if params.shape == "chain":
-        return params.model_copy(update={"num_draft_tokens": depth})
-    return params.model_copy(update={"depth": depth, "budget": nodes})
-
-
 @dataclass(frozen=True)
 class StepOutcome:
     """What one engine step cost and gave, as the budget's models learn from it."""
@@ -159,6 +136,7 @@ class StepOutcome:
     drafting: list[tuple]  # draft kinds of the decoding sessions that draft, after the step
     prefilled: bool  # the target prefilled prompt tokens (its goodput is not drafting's)
     draft_prefilled: bool  # a draft session prefilled (it would skew the per-level cost: nothing is recorded)
+    draft_failed: bool  # the draft failed a session (a dead or frozen replica's wait is not what drafting costs)
     tokens: int  # the target forward's tokens
     target_seconds: float
     draft_seconds: float  # the draft side: trees and feedback
@@ -294,10 +272,10 @@ class SpeculationBudget:
 
     def record_step_outcome(self, outcome: StepOutcome) -> None:
         """What an engine step cost and gave: its costs (`record_step`; drafting rows by kind) and, for a step of
-        decoding alone, its goodput (`record_goodput`). Of a step in which a draft session prefilled, only a plain
-        target forward counts (it is timed apart from the draft's prefill); drafting costs and goodput are not
-        drafting's there."""
-        if outcome.draft_prefilled:
+        decoding alone, its goodput (`record_goodput`). Of a step in which a draft session prefilled or the draft
+        failed, only a plain target forward counts (it is timed apart from the draft); drafting costs and goodput
+        are not drafting's there: a replica that died mid-step must not teach the budget that drafting never pays."""
+        if outcome.draft_prefilled or outcome.draft_failed:
             if not outcome.trees:
                 self.record_step(outcome.tokens, outcome.target_seconds)
             return

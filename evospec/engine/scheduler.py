@@ -31,8 +31,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from evospec.config import SamplingParams, SchedulerConfig, SpecParams, draft_seed
-from evospec.engine.budget import Acceptance, SpeculationBudget, StepOutcome, clip_depth, draft_kind
+from evospec.config import SamplingParams, SchedulerConfig, SpecParams, clip_depth, draft_seed
+from evospec.engine.budget import Acceptance, SpeculationBudget, StepOutcome, draft_kind
 from evospec.engine.drafter import BatchDrafter, DraftRequest, LocalBatchDrafter
 from evospec.engine.generate import SpeculativeDecoder, apply_stop_rules
 from evospec.engine.lease import DraftLease, plan_catch_up
@@ -142,6 +142,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._step_started: float | None = None  # time.monotonic() while the thread is inside a step (health)
         self._died = False  # the thread ended on an unexpected error: the replica must be replaced
+        self._draft_failed = False  # the draft failed a session in the current step
         self.steps = 0
         self.depth_histogram: collections.Counter[int] = collections.Counter()  # chosen draft depth per step
 
@@ -215,6 +216,20 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def num_without_draft(self) -> dict[str, int]:
+        """Running speculative requests that decode target-only now, by why: `draft_unavailable` (their draft
+        failed or could not be opened, and has not resumed yet) and `catch_up_deferred` (their draft lacks context
+        and the budget has not bought its catch-up: `_catch_ups_that_pay`). Read from any thread (/metrics)."""
+        counts = {"draft_unavailable": 0, "catch_up_deferred": 0}
+        for request in list(self._running.values()):  # a C-level copy: safe against the scheduler thread
+            if not request.spec.speculative or request.target is None or request.target.prefill_remaining:
+                continue
+            if not request.lease.held:
+                counts["draft_unavailable"] += 1
+            elif request.lease.lag and request.catch_up_pays is False:
+                counts["catch_up_deferred"] += 1
+        return counts
+
     # ---- the scheduler's thread ---------------------------------------------------------------------------------
     def start(self) -> "Scheduler":
         if self._thread is None:
@@ -283,6 +298,7 @@ class Scheduler:
 
     def step(self) -> None:
         profile = self.profile
+        self._draft_failed = False
         with profile.span("admit"):
             self._admit()
             self._drop_cancelled()
@@ -308,7 +324,7 @@ class Scheduler:
                 self.budget.record_step_outcome(StepOutcome(
                     depth=k, trees=[(r.kind, r.spec.tree) for r in decoding if r.key in trees],
                     drafting=[r.kind for r in decoding if r.lease.drafting], prefilled=bool(prefills),
-                    draft_prefilled=draft_prefill, tokens=tokens, target_seconds=target_seconds,
+                    draft_prefilled=draft_prefill, draft_failed=self._draft_failed, tokens=tokens, target_seconds=target_seconds,
                     draft_seconds=draft_seconds + feedback_seconds, committed=committed))
         if self.drafter is not None:
             with profile.span("flush"):
@@ -427,8 +443,6 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 - a draft failure drops the draft of its sessions, nothing more
             proposed = {key: exc for key in [*requests, *draft_prefills]}
         seconds = time.perf_counter() - start
-        if not requests and self.budget is not None:
-            self.budget.record_draft_prefill(sum(draft_prefills.values()), seconds)
         trees = {}
         for key, tree in proposed.items():
             if isinstance(tree, Exception):
@@ -442,6 +456,8 @@ class Scheduler:
             request = self._running.get(key)
             if request is not None:
                 request.lease.caught_up(n)
+        if not requests and not self._draft_failed and self.budget is not None:  # a failure's wait is no rate
+            self.budget.record_draft_prefill(sum(draft_prefills.values()), seconds)
         return trees, bool(draft_prefills)
 
     def _catch_ups_that_pay(self, decoding: list[_Request]) -> list[_Request]:
@@ -551,6 +567,7 @@ class Scheduler:
     def _drop_draft(self, request: _Request, error: BaseException) -> None:
         """Lossless fallback (lease.py): the generation goes on from its exact committed state without the draft;
         its session is closed. Its statistics count those steps and say why."""
+        self._draft_failed = True  # this step's draft costs are not drafting's (budget.record_step_outcome)
         if not request.lease.lose(error):
             return
         log.warning("request %s continues without its draft: %s", request.key[:8], request.stats.fallback_reason)

@@ -1,6 +1,5 @@
-"""method name -> what it does. The only place that maps method strings to behaviour: `traits(method)` (does it
-draft, with which head, with a dynamic buffer) for everything else to ask, and the vocabulary policy it drafts with
-(`VocabPolicies`)."""
+"""method -> the vocabulary policy it drafts with (`VocabPolicies`), built from its traits (`evospec.config.traits`:
+does it draft, with which head, with a dynamic buffer: pure data, which everything else asks)."""
 from __future__ import annotations
 
 import threading
@@ -10,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from evospec.config import METHODS, SpecParams
+from evospec.config import SpecParams, traits
 from evospec.errors import InvalidRequestError
 from evospec.vocab.active import full_vocab, static_vocab
 from evospec.vocab.policy import (
@@ -22,30 +21,6 @@ from evospec.vocab.policy import (
     trained_rows,
 )
 from evospec.vocab.retrieval import CoocIndex, EmbeddingIndex
-
-
-@dataclass(frozen=True)
-class MethodTraits:
-    """What a method does. drafts: it proposes trees at all (`ar` is the target alone). static_head: its draft head
-    is the static vocabulary S (else every row of the head). dynamic_buffer: it adds EvoSpec's per-generation
-    buffer D to S (and with it online retrieval and target-fed candidates)."""
-    drafts: bool
-    static_head: bool = False
-    dynamic_buffer: bool = False
-
-
-METHOD_TRAITS: dict[str, MethodTraits] = {
-    "ar": MethodTraits(drafts=False),
-    "sd": MethodTraits(drafts=True),
-    "frspec": MethodTraits(drafts=True, static_head=True),
-    "evospec": MethodTraits(drafts=True, static_head=True, dynamic_buffer=True),
-}
-assert set(METHOD_TRAITS) == set(METHODS), "every method of evospec.config.Method needs its traits here"
-DRAFTING_METHODS: tuple[str, ...] = tuple(m for m in METHODS if METHOD_TRAITS[m].drafts)
-
-
-def traits(method: str) -> MethodTraits:
-    return METHOD_TRAITS[method]
 
 
 @dataclass(frozen=True)

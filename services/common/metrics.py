@@ -14,10 +14,10 @@ import math
 from collections.abc import Awaitable, Callable
 
 from evospec.adapt.learner import AdaptStats
+from evospec.config import traits
 from evospec.engine.stats import SpecStats
 from evospec.loading import cpu_description
 from evospec.vocab.policy import SOURCES
-from evospec.vocab.registry import traits
 
 LATENCY_BUCKETS_S = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0]
 STEP_BUCKETS_S = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25]
@@ -104,6 +104,10 @@ class ServiceMetrics:
                                  "last evospec request.", tag_keys=tags)
         self.fallback_steps = Counter("evospec_draft_fallback_steps", description="Steps speculative requests ran "
                                       "without a tree because their draft failed or was catching up.", tag_keys=tags)
+        self.requests_without_draft = Counter("evospec_requests_without_draft", description="Finished "
+                                              "speculative requests that ran at least one step target-only because "
+                                              "their draft was unavailable (failed, or not yet resumed).",
+                                              tag_keys=tags)
         self.draft_resumes = Counter("evospec_draft_resumes", description="Times speculation resumed on a "
                                      "(re)connected draft replica after a fallback.", tag_keys=tags)
         self.predrafted_steps = Counter("evospec_predrafted_steps", description="Draft trees answered from a "
@@ -151,6 +155,7 @@ class ServiceMetrics:
             self.buffer_size.set(dynamic_size, t)
         if stats.fallback_steps:
             self.fallback_steps.inc(stats.fallback_steps, t)
+            self.requests_without_draft.inc(1, t)
         if stats.draft_resumes:
             self.draft_resumes.inc(stats.draft_resumes, t)
         if stats.predrafted_steps:
@@ -176,6 +181,11 @@ class HttpMetrics:
                              labelnames=tuple(labels), registry=self.registry).labels(**labels)
         self.waiting = Gauge("vllm:num_requests_waiting", "Generations waiting for KV memory or a slot.",
                              labelnames=tuple(labels), registry=self.registry).labels(**labels)
+        self.without_draft = Gauge("evospec:num_requests_running_without_draft", "Running speculative "
+                                   "generations decoding target-only now, by reason: draft_unavailable (their draft "
+                                   "failed and has not resumed) or catch_up_deferred (the budget has not bought "
+                                   "their draft's catch-up on the context yet).",
+                                   labelnames=("model_name", "reason"), registry=self.registry)
         self.adapter_version = Gauge("evospec:adapter_version", "Adapter version a draft replica serves with (0 = "
                                      "the base model), read from one draft replica at scrape time.",
                                      labelnames=("model_name", "mode"), registry=self.registry)
@@ -193,6 +203,8 @@ class HttpMetrics:
         self.engine_info.labels(model_name=self.model_name, dtype=dtype, cpu=cpu_description()).set(1)
         self.running.set(scheduler.num_running())
         self.waiting.set(scheduler.num_waiting())
+        for reason, count in scheduler.num_without_draft().items():
+            self.without_draft.labels(model_name=self.model_name, reason=reason).set(count)
         try:
             adapt = await asyncio.wait_for(adapt_stats(), timeout_s) if adapt_stats is not None else None
         except Exception:  # noqa: BLE001

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from evospec.adapt import Learner, TeacherSignal, build_learner
-from evospec.config import SamplingParams, SpecParams
-from evospec.engine.budget import clip_depth
+from evospec.config import DRAFTING_METHODS, SamplingParams, SpecParams, clip_depth
 from evospec.engine.draft import DraftEngine, DraftSession
 from evospec.engine.drafter import DraftRequest
 from evospec.errors import InvalidRequestError, OverloadedError
@@ -26,7 +25,7 @@ from evospec.services.config import DraftServiceConfig
 from evospec.tree import DraftTree
 from evospec.verify import VerifyResult
 from evospec.vocab.dynamic import SlotChange
-from evospec.vocab.registry import DRAFTING_METHODS, VocabPolicies
+from evospec.vocab.registry import VocabPolicies
 from evospec.vocab.retrieval import TargetFeedback
 
 log = logging.getLogger(__name__)

@@ -34,6 +34,7 @@ def test_spec_decode_counters_follow_stats():
     assert m.buffer_size.values == [(256, t)]
     assert m.buffer_hits.values == [(2, {**t, "source": "statistical"}), (1, {**t, "source": "target"})]
     assert m.fallback_steps.values == [(3, t)] and m.draft_resumes.values == [(1, t)]
+    assert m.requests_without_draft.values == [(1, t)]  # one request, however many steps it ran without
     assert m.predrafted_steps.values == [(1, t)]
     assert m.requests.values == [(1, {**t, "finished_reason": "length"})]
     # τ as vLLM defines it, from the counters: 1 + accepted / drafts
