@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import UnionType
 from typing import Literal, Union, get_args, get_origin
@@ -279,17 +280,50 @@ def cmd_vocab(args) -> int:
 
 BENCH_SUITES = ("v1", "grid", "misses", "adapt", "random", "decoupled", "real", "concurrency", "fronts",
                 "service")
-PASSTHROUGH = {"loadtest": "evospec.loadtest.run", "loadtest-sweep": "evospec.loadtest.sweep",
-               "loadtest-compare": "evospec.loadtest.compare",
-               "train-tiny": "evospec.tiny_pair.train", "chaos": "evospec.orchestration.chaos",
-               "fuzz": "evospec.orchestration.fuzz", "soak": "evospec.orchestration.soak"}
 
 
-def passthrough_module(argv: list[str]) -> str | None:
-    """The module whose own `main(argv)` handles this command line, if any."""
-    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCH_SUITES:
-        return f"evospec.bench.{argv[1]}"
-    return PASSTHROUGH.get(argv[0]) if argv else None
+def own_main(argv: list[str]) -> Callable[[list[str]], int | None] | None:
+    """The `main(argv)` of a command that parses its own arguments (a bench suite, the load tests, the ops tools),
+    or None. The CLI is the top floor: it is the one module that may import bench and loadtest, and imports each
+    only when it runs (`evospec --help` stays fast)."""
+    match argv[:2]:
+        case ["bench", "v1"]:
+            from evospec.bench.v1 import main
+        case ["bench", "grid"]:
+            from evospec.bench.grid import main
+        case ["bench", "misses"]:
+            from evospec.bench.misses import main
+        case ["bench", "adapt"]:
+            from evospec.bench.adapt import main
+        case ["bench", "random"]:
+            from evospec.bench.random import main
+        case ["bench", "decoupled"]:
+            from evospec.bench.decoupled import main
+        case ["bench", "real"]:
+            from evospec.bench.real import main
+        case ["bench", "concurrency"]:
+            from evospec.bench.concurrency import main
+        case ["bench", "fronts"]:
+            from evospec.bench.fronts import main
+        case ["bench", "service"]:
+            from evospec.bench.service import main
+        case ["loadtest", *_]:
+            from evospec.loadtest.run import main
+        case ["loadtest-sweep", *_]:
+            from evospec.loadtest.sweep import main
+        case ["loadtest-compare", *_]:
+            from evospec.loadtest.compare import main
+        case ["train-tiny", *_]:
+            from evospec.tiny_pair.train import main
+        case ["chaos", *_]:
+            from evospec.orchestration.chaos import main
+        case ["fuzz", *_]:
+            from evospec.orchestration.fuzz import main
+        case ["soak", *_]:
+            from evospec.orchestration.soak import main
+        case _:
+            return None
+    return main
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -383,10 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from evospec.errors import InvalidRequestError
     argv = sys.argv[1:] if argv is None else argv
-    module = passthrough_module(argv)
-    if module is not None:
-        skip = 2 if argv[0] == "bench" else 1
-        return __import__(module, fromlist=["main"]).main(argv[skip:]) or 0
+    command_main = own_main(argv)
+    if command_main is not None:
+        return command_main(argv[2:] if argv[0] == "bench" else argv[1:]) or 0
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
