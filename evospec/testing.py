@@ -4,6 +4,7 @@ budget that draws the draft depth at random, and random verify steps."""
 from __future__ import annotations
 
 import copy
+import os
 import random
 import time
 from collections.abc import Callable
@@ -123,6 +124,45 @@ class Collector:
     def finished(self):
         from evospec.engine.scheduler import Failed, Finished
         return next((e for e in self.events if isinstance(e, Finished | Failed)), None)
+
+
+TEST_TIER_ENV = "EVOSPEC_TEST_TIER"  # scripts/test.sh sets it: fast | ci (the default) | full
+SAMPLE_SHARE = {"fast": 0.25, "ci": 0.5, "full": 1.0}  # of a statistical test's full sample count
+
+
+def samples(full: int) -> int:
+    """A statistical test's sample count in this run's tier: `full` in the nightly tier (`scripts/test.sh
+    --full`), a share of it in CI and the fast tier. Every statistical family keeps a negative control run at the
+    same count, which must be rejected there: a smaller count must not cost a test its power."""
+    tier = os.environ.get(TEST_TIER_ENV, "ci")
+    if tier not in SAMPLE_SHARE:
+        raise ValueError(f"${TEST_TIER_ENV} is {tier!r}; one of {', '.join(SAMPLE_SHARE)}")
+    return max(1, round(full * SAMPLE_SHARE[tier]))
+
+
+def two_token_counts(decoder, prompt: list[int], sampling: SamplingParams, spec, n: int, batch: int = 250,
+                     budget: SpeculationBudget | None = None):
+    """(counts, accepted, depths): the first two sampled tokens (x1 * vocab + x2) of `n` seeded generations (seeds
+    0..n-1), the draft tokens accepted over them and the steps by draft depth, run `batch` at a time through the continuous-batching scheduler (each
+    request draws its own seeded numbers, so a batch gives what `n` lone generations would, much faster). The draft
+    prefills with the target, so every step drafts; the depth is each request's own unless `budget` chooses it."""
+    import numpy as np
+
+    from evospec.config import SchedulerConfig
+    from evospec.engine.scheduler import Scheduler
+    vocab = decoder.target.model.cfg.vocab_size
+    per_request = len(prompt) + sampling.max_tokens + spec.tree.max_nodes + 2
+    config = SchedulerConfig(kv_tokens=batch * per_request, max_running=batch, prefill_chunk=batch * len(prompt),
+                             adaptive=False, draft_prefill="with_target")
+    scheduler = Scheduler(decoder, config, budget=budget)
+    counts, accepted = np.zeros(vocab * vocab), 0
+    for start in range(0, n, batch):
+        requests = [(prompt, sampling.model_copy(update={"seed": seed}), spec)
+                    for seed in range(start, min(n, start + batch))]
+        for sink in run_all(scheduler, requests):
+            counts[sink.tokens[0] * vocab + sink.tokens[1]] += 1
+            accepted += sink.finished.stats.accepted
+    return counts, accepted, scheduler.depth_histogram
 
 
 def run_all(scheduler, requests) -> list[Collector]:

@@ -22,7 +22,9 @@ def scrape_metrics(service) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def references(client):
-    return chaos.greedy_references(client, chaos.PROMPTS, MAX_TOKENS)
+    """Target-only greedy outputs of the prompts the scenarios stream (4 streams per method use the first 4); the
+    calm τ per method (`evospec chaos` reports how far a kill moved it) is not asserted here, so not measured."""
+    return chaos.greedy_references(client, chaos.PROMPTS[:4], MAX_TOKENS, methods=())
 
 
 def test_draft_and_target_run_on_different_nodes(service):

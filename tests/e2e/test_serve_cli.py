@@ -25,7 +25,7 @@ from evospec.orchestration.config import CONFIG_DIR
 from evospec.orchestration.local import free_port
 from evospec.tokenizer import chat_prompt_ids
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.nightly, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

@@ -82,6 +82,7 @@ def test_head_row_counts_of_cost_names():
     assert rows_of("16k", 151936) == 16384 and rows_of("8k+1024", 151936) == 9216
 
 
+@pytest.mark.slow
 def test_bench_adapt_stream_on_the_tiny_pair_is_lossless_and_the_adapters_change():
     """`evospec bench adapt` in CI size: a short medical stream on the tiny pair, adaptation off and LoRA, same
     prompts and seeds: every greedy output is target-only decoding's, and the served adapter moved off zero."""

@@ -177,6 +177,7 @@ def test_load_prompts_selects_the_realistic_sets_by_name():
 # ---- the whole command ------------------------------------------------------------------------------------------
 
 @pytest.mark.e2e
+@pytest.mark.nightly  # a Ray cluster and two services of its own: the full tier only (one Serve app per CI run)
 @pytest.mark.timeout(400)
 def test_bench_service_on_the_tiny_pair_writes_sane_results(tmp_path):
     # Ray token authentication with a token of this run's own (as tests/e2e/test_serve_cli.py): never ~/.ray's.

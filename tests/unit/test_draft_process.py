@@ -8,6 +8,8 @@ from evospec.config import ModelConfig
 from evospec.orchestration.draft_process import local_draft_replica
 from evospec.services.config import DraftServiceConfig, InternalStreamConfig
 
+pytestmark = [pytest.mark.process]
+
 SECRET = "draft-process-secret-0123456789"
 
 

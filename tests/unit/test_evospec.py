@@ -10,7 +10,7 @@ from evospec.engine.drafter import FeedbackRequest, feedbacks_for
 from evospec.engine.generate import SpeculativeDecoder
 from evospec.engine.stats import SpecStats
 from evospec.engine.target import VerifiedStep
-from evospec.testing import HostSyncCounter, chi_square_p, exact_two_token_joint, random_feedback_batch, random_pair
+from evospec.testing import HostSyncCounter, random_feedback_batch, random_pair
 from evospec.verify import VerifyResult
 from evospec.vocab.dynamic import DynamicBuffer
 from evospec.vocab.policy import SOURCES, EvoSpecPolicy, EvoSpecSettings
@@ -256,20 +256,8 @@ def test_evospec_greedy_identical(pair, retrieval, tree):
         assert out.output_ids == ref.output_ids
 
 
-@pytest.mark.slow
-def test_evospec_sampling_distribution():
-    vocab, prompt = 8, [2, 5, 3]
-    target, draft = random_pair(vocab=vocab, seed=7, eos=0, noise=0.5)
-    dec = SpeculativeDecoder(target, draft, static_ids=torch.tensor([0, 2, 4]))
-    spec = SpecParams(method="evospec", tree=TreeParams(shape="tree", depth=2, branching=2, budget=6),
-                      vocab={"static_size": 3, "dynamic_size": 2})
-    sampling = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
-    counts = np.zeros(vocab * vocab)
-    for seed in range(3000):
-        gen = dec.generate(prompt, sampling.model_copy(update={"seed": seed}), spec)
-        list(gen)
-        counts[gen.output_ids[0] * vocab + gen.output_ids[1]] += 1
-    assert chi_square_p(counts, exact_two_token_joint(target, prompt, sampling)) > 1e-3
+# The evospec sampling distribution (the first two tokens against the target's exact joint, with its negative
+# control) is a case of tests/unit/test_engine_sampling.py.
 
 
 def test_unconfirmed_buffer_ids_are_penalized_until_the_target_confirms_them(pair):

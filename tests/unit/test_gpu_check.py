@@ -22,6 +22,7 @@ def check(tmp_path_factory):
     return json.loads((out / "gpu_check.json").read_text())
 
 
+@pytest.mark.process
 def test_the_cpu_check_runs_every_step_in_a_minute(check):
     assert check["mode"] == "cpu" and check["elapsed_s"] < 60, check["elapsed_s"]
     assert not [k for k, v in check.items() if isinstance(v, dict) and "error" in v]
@@ -35,6 +36,7 @@ def test_the_cpu_check_runs_every_step_in_a_minute(check):
                for r in check["engine_ms_per_step"]["rows"])
 
 
+@pytest.mark.process
 def test_engine_steps_commit_the_replayed_acceptance(check):
     """Random weights accept almost nothing; with the real pair's rates replayed a speculative step commits more
     than one token, and a tree (two candidates per level) more than its chain."""
@@ -47,6 +49,7 @@ def test_engine_steps_commit_the_replayed_acceptance(check):
     assert mean_tau > 1.8, [(r["method"], r["tree"], r["tau"]) for r in speculative]
 
 
+@pytest.mark.process
 def test_the_decoupled_step_runs_the_draft_in_its_own_process_and_matches_in_process(check):
     result = check["decoupled"]
     assert result["rc"] == 0 and result["transport"] == "local"
@@ -56,6 +59,7 @@ def test_the_decoupled_step_runs_the_draft_in_its_own_process_and_matches_in_pro
     assert remote and all(p["seconds"].get("draft.remote_compute", 0) > 0 for p in remote)  # the replica drafted
 
 
+@pytest.mark.process
 def test_the_projection_reads_the_check_and_says_what_was_measured_where(check):
     table = from_gpu_check(check)
     assert {r["arm"] for r in table["rows"]} == set(ARMS.values())

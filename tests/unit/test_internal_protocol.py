@@ -297,6 +297,7 @@ def test_two_draft_replicas_one_dies_the_others_sessions_are_untouched():
     assert untouched == 3
 
 
+@pytest.mark.slow
 def test_a_frozen_draft_replica_stalls_nothing_and_speculation_comes_back():
     """The draft process is frozen (SIGSTOP) for 3 s, longer than the step deadline: the streams keep producing
     tokens (no gap near the freeze's length), and once it is thawed, speculation resumes in the same generations.
@@ -348,6 +349,7 @@ class SlowDraftServer(DraftServer):
         return super().run_step(ops, work)
 
 
+@pytest.mark.slow
 def test_a_slow_but_alive_draft_replica_is_waited_for():
     """A draft replica whose every step takes longer than step_timeout_s: after a late step or two it is given
     its own time (measured; one step also waits for the reply to the last outcomes, so it takes two delays), and

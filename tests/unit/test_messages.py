@@ -4,7 +4,7 @@ extension, SDK: `build_request`, CLI: the request flags). A field added on one s
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from evospec.config import (
@@ -71,7 +71,6 @@ samplings = st.builds(SamplingParams, max_tokens=st.integers(1, 2**31), temperat
                       seed=st.one_of(st.none(), st.integers(0, 2**64 - 1)), ignore_eos=st.booleans())
 
 
-@settings(max_examples=200, deadline=None)
 @given(spec=specs, sampling=samplings, defaults=specs)
 def test_typed_to_proto_and_back_is_exact(spec, sampling, defaults):
     assert spec_from_proto(spec_to_proto(spec), defaults) == spec  # every option set: the defaults never leak in

@@ -10,7 +10,7 @@ import json
 import httpx2
 import openai
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 from evospec.config import SamplingParams, SchedulerConfig
@@ -406,8 +406,7 @@ PROMPTS = st.text(max_size=30) | st.lists(st.integers(-1, 200), max_size=5)
 GARBAGE = st.none() | st.tuples(st.sampled_from([*FIELDS, "messages", "prompt"]), JSON)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                  HealthCheck.function_scoped_fixture])
+@pytest.mark.fuzz
 @given(route=st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
        body=st.fixed_dictionaries({}, optional=FIELDS), messages=MESSAGES, prompt=PROMPTS, garbage=GARBAGE)
 def test_any_json_body_is_served_or_refused_with_openai_json_never_a_500(stack, route, body, messages, prompt,

@@ -46,6 +46,7 @@ def test_every_package_folder_is_installed():
     assert set(package_folders()) == listed
 
 
+@pytest.mark.process
 def test_generated_grpc_code_is_fresh():
     result = subprocess.run([sys.executable, str(ROOT / "proto" / "codegen.py"), "--check"], capture_output=True,
                             text=True)
@@ -193,6 +194,7 @@ def test_the_cli_dispatches_every_command_with_its_own_parser():
     assert own_main(["serve"]) is None and own_main([]) is None
 
 
+@pytest.mark.process
 def test_client_sdk_imports_only_grpc_and_protobuf():
     code = ("import sys, evospec_client; "
             "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ray', 'evospec', 'transformers')); "

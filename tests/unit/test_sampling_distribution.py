@@ -1,6 +1,6 @@
 """Statistical losslessness of stochastic verification: the committed tokens follow the target distribution.
 
-Chi-square goodness of fit over >= 20k seeded samples on a tiny vocabulary, for chain and tree drafts drawn
+Chi-square goodness of fit over seeded samples on a tiny vocabulary (10k in CI, 20k nightly: `samples`), for chain and tree drafts drawn
 without replacement from the draft distribution actually used, T in {0.7, 1.0}, with top-p. A negative control
 (a verifier that skips the residual correction) must fail the same test, so the test can fail.
 """
@@ -10,12 +10,12 @@ import torch
 
 from evospec.config import SamplingParams
 from evospec.sampling import logits_to_probs, sample_without_replacement
-from evospec.testing import chi_square_p
+from evospec.testing import chi_square_p, samples
 from evospec.tree import DraftTree
 from evospec.verify import verify_on_device, verify_stochastic
 
 VOCAB = 6
-SAMPLES = 20_000
+FULL_SAMPLES = 20_000
 
 
 def make_logits(gen):
@@ -41,12 +41,12 @@ def draft_tree(draft_probs_rows, branching, depth2_branching, gen):
 
 
 def sample_two_tokens(target_probs_rows, draft_probs_rows, branching, depth2, seed, verifier=verify_stochastic,
-                      samples=SAMPLES):
+                      full_samples=FULL_SAMPLES):
     """Counts of (first, second) committed tokens; the second only when the first was an accepted node."""
     gen = torch.Generator().manual_seed(seed)
     first = np.zeros(VOCAB)
     second = np.zeros((VOCAB, VOCAB))
-    for _ in range(samples):
+    for _ in range(samples(full_samples)):
         tree = draft_tree(draft_probs_rows, branching, depth2, gen)
         rows = torch.stack([target_probs_rows[0]] + [target_probs_rows[1 + t] for t in tree.token_ids.tolist()])
         result = verifier(tree, rows, gen)
@@ -93,7 +93,7 @@ def test_batch_verification_follows_target():
     target_probs = logits_to_probs(target_logits, sampling)
     draft_probs = logits_to_probs(draft_logits, sampling)
     first, second = sample_two_tokens(target_probs, draft_probs, branching, depth2, seed=2, verifier=batch_verifier,
-                                      samples=SAMPLES // 4)
+                                      full_samples=FULL_SAMPLES // 4)
     assert chi_square_p(first, target_probs[0].numpy()) > 1e-3
     for x in range(VOCAB):
         if second[x].sum() >= 500:
@@ -112,12 +112,14 @@ def biased_verifier(tree, target_probs, generator):
     return VerifyResult([], [], int(torch.multinomial(target_probs[0], 1, generator=generator)))
 
 
-def test_negative_control_is_detected():
+@pytest.mark.parametrize("full_samples", [FULL_SAMPLES, FULL_SAMPLES // 4], ids=["per-tree", "batch"])
+def test_negative_control_is_detected(full_samples):
+    """At each count the tests above run (the batch verifier's is smaller), the biased verifier is rejected."""
     gen = torch.Generator().manual_seed(11)
     target_logits, draft_logits = make_logits(gen)
     sampling = SamplingParams(temperature=1.0)
     first, _ = sample_two_tokens(logits_to_probs(target_logits, sampling), logits_to_probs(draft_logits, sampling),
-                                 1, 1, seed=1, verifier=biased_verifier)
+                                 1, 1, seed=1, verifier=biased_verifier, full_samples=full_samples)
     assert chi_square_p(first, logits_to_probs(target_logits, sampling)[0].numpy()) < 1e-6
 
 

@@ -5,7 +5,7 @@ dynamic slots; and at most one host synchronisation per step, counted by instrum
 a GPU."""
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from evospec.config import SamplingParams
@@ -23,7 +23,6 @@ def reference(tree, sampling, rows, seed):
     return verify_stochastic(tree, logits_to_probs(rows, sampling), torch.Generator().manual_seed(seed))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31 - 1), requests=st.integers(1, 8), max_size=st.integers(0, 9))
 def test_batch_is_identical_to_the_per_tree_reference(seed, requests, max_size):
     trees, samplings, rows = random_batch(seed, requests, max_size)
