@@ -28,6 +28,7 @@ from pathlib import Path
 from evospec.bench.prompts import PROMPT_SETS
 from evospec.config import METHODS, SamplingParams, SchedulerConfig, SpecParams
 from evospec.engine.generate import SpeculativeDecoder
+from evospec.engine.runner import SchedulerThread
 from evospec.engine.scheduler import Failed, Finished, Scheduler, TokensOut
 from evospec.engine.stats import SpecStats
 from evospec.loading import apply_torch_threads, load_pair
@@ -202,8 +203,9 @@ def main(argv: list[str] | None = None) -> None:
     prompts_all = [chat_prompt_ids(pair.tokenizer, c) for c in convs]
     sampling = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, seed=0)
     kv = max_c * (max(len(p) for p in prompts_all) + args.max_tokens + 64)
-    schedulers = {"batched": Scheduler(decoder, SchedulerConfig(kv_tokens=kv)).start(),
-                  "fixed": Scheduler(decoder, SchedulerConfig(kv_tokens=kv, adaptive=False)).start()}
+    runners = {"batched": SchedulerThread(Scheduler(decoder, SchedulerConfig(kv_tokens=kv))).start(),
+               "fixed": SchedulerThread(Scheduler(decoder, SchedulerConfig(kv_tokens=kv, adaptive=False))).start()}
+    schedulers = {mode: runner.scheduler for mode, runner in runners.items()}
     results: list[dict] = []
     outputs: dict[tuple, list[list[int]]] = {}
     for method in args.methods:  # warm-up: first-call costs (allocator, head gathers) off the clock
@@ -249,8 +251,8 @@ def main(argv: list[str] | None = None) -> None:
                     row["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
                     results.append(row)
                     print(json.dumps(row), flush=True)
-    for s in schedulers.values():
-        s.stop()
+    for runner in runners.values():
+        runner.stop()
     for row in results:  # greedy: every in-process mode and method must produce the ar loop's tokens
         ref = outputs.get((row["concurrency"], "ar", "loop"))
         if ref is not None and (row["concurrency"], row["method"], row["mode"]) in outputs:

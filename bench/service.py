@@ -302,6 +302,7 @@ def run_in_process_ar(cfg, prompt_sets, args, started: float, report: dict) -> N
 
     from evospec.config import SamplingParams
     from evospec.engine.generate import SpeculativeDecoder
+    from evospec.engine.runner import SchedulerThread
     from evospec.engine.scheduler import Scheduler
     from evospec.loading import apply_torch_threads, load_model, stop_token_ids
     from evospec.tokenizer import load_tokenizer
@@ -311,7 +312,8 @@ def run_in_process_ar(cfg, prompt_sets, args, started: float, report: dict) -> N
     model, folder = load_model(cfg.target.model, "target")
     tokenizer = load_tokenizer(str(folder))
     decoder = SpeculativeDecoder(model, None, max_model_len=cfg.target.max_model_len, eos_ids=stop_token_ids(folder))
-    scheduler = Scheduler(decoder, cfg.target.scheduler.model_copy(update={"adaptive": False})).start()
+    scheduler = Scheduler(decoder, cfg.target.scheduler.model_copy(update={"adaptive": False}))
+    runner = SchedulerThread(scheduler).start()
     report["services"]["in_process"] = {"load_s": round(time.perf_counter() - load_start, 2),
                                         "torch_threads": torch.get_num_threads(),
                                         "target_dtype": str(model.embed_tokens.weight.dtype).removeprefix("torch.")}
@@ -337,7 +339,7 @@ def run_in_process_ar(cfg, prompt_sets, args, started: float, report: dict) -> N
                 report["rows"].append({"arm": IN_PROCESS, "set": set_name, "temperature": temperature,
                                        "concurrency": 1, "phase": "in_process", **median_run(runs)})
     finally:
-        scheduler.stop()
+        runner.stop()
 
 
 # ---- what the results record ------------------------------------------------------------------------------------

@@ -143,9 +143,10 @@ def samples(full: int) -> int:
 def two_token_counts(decoder, prompt: list[int], sampling: SamplingParams, spec, n: int, batch: int = 250,
                      budget: SpeculationBudget | None = None):
     """(counts, accepted, depths): the first two sampled tokens (x1 * vocab + x2) of `n` seeded generations (seeds
-    0..n-1), the draft tokens accepted over them and the steps by draft depth, run `batch` at a time through the continuous-batching scheduler (each
-    request draws its own seeded numbers, so a batch gives what `n` lone generations would, much faster). The draft
-    prefills with the target, so every step drafts; the depth is each request's own unless `budget` chooses it."""
+    0..n-1), the draft tokens accepted over them and the steps by draft depth, run `batch` at a time through the
+    continuous-batching scheduler (each request draws its own seeded numbers, so a batch gives what `n` lone
+    generations would, much faster). The draft prefills with the target, so every step drafts; the depth is each
+    request's own unless `budget` chooses it."""
     import numpy as np
 
     from evospec.config import SchedulerConfig

@@ -347,7 +347,7 @@ def stop_scheduler_thread(actor) -> None:
         def dead_step() -> None:
             raise SystemExit("scheduler thread stopped by evospec chaos")
         scheduler.step = dead_step
-        scheduler._wake()
+        scheduler.waiting.notify()
     ray.get(actor.__ray_call__.remote(stop), timeout=30)
 
 

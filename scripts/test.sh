@@ -25,7 +25,8 @@ before=$(ps -eo pid=,args= | grep -E "raylet|gcs_server|ray::" | grep -v grep | 
 start=$(date +%s)
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "${select[@]}" "$@"
 rc=$?
-echo "tier $tier: $(( $(date +%s) - start )) s on $(.venv/bin/python -c 'from evospec.loading import cpu_description; print(cpu_description())')"
+cpu=$(.venv/bin/python -c 'from evospec.loading import cpu_description; print(cpu_description())')
+echo "tier $tier: $(( $(date +%s) - start )) s on $cpu"
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: that is a failure here" >&2
   rc=1

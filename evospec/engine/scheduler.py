@@ -17,7 +17,8 @@ request's `DraftLease` (lease.py) keeps that state and makes those decisions; th
 
 Each request keeps its own method, tree, vocabulary sizes, sampling parameters, seed and stop rules; the per-request
 loop (`SpeculativeDecoder.generate`) is the reference its output is tested against (tests/unit/test_scheduler.py).
-No Ray or gRPC here: fronts call `submit` from any thread and read events from the sink they pass.
+No Ray or gRPC here: fronts call `submit` from any thread and read events from the sink they pass. The thread that
+runs the steps, and its health, are `SchedulerThread`'s (runner.py); tests and benchmarks step a scheduler themselves.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from evospec.config import SamplingParams, SchedulerConfig, SpecParams, clip_depth, draft_seed
@@ -39,7 +40,7 @@ from evospec.engine.lease import DraftLease, plan_catch_up
 from evospec.engine.profile import StepProfile
 from evospec.engine.stats import SpecStats
 from evospec.engine.target import TargetSession
-from evospec.errors import EngineStoppedError, EvoSpecError, InvalidRequestError, OverloadedError, ShuttingDownError
+from evospec.errors import EvoSpecError, InvalidRequestError, OverloadedError
 from evospec.model import KVArena
 from evospec.tree import DraftTree
 
@@ -96,6 +97,56 @@ class _Request:
         return len(self.prompt_ids) + self.sampling.max_tokens + self.spec.tree.max_nodes + 2
 
 
+class WaitingQueue:
+    """Submitted requests not yet admitted, first come first served: filled from the fronts' threads, emptied by the
+    scheduler's, at most `max_waiting` (OverloadedError beyond). Once closed, submissions get the closing error
+    (shutting down, or the engine stopped)."""
+
+    def __init__(self, max_waiting: int):
+        self.max_waiting = max_waiting
+        self._items: collections.deque[_Request] = collections.deque()
+        self._lock = threading.Lock()
+        self.changed = threading.Condition(self._lock)  # notified by every put, cancel and close
+        self.closed: Callable[[], BaseException] | None = None  # the error a submission gets once closed
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, request: _Request) -> None:
+        with self._lock:
+            if self.closed is not None:
+                raise self.closed()
+            if len(self._items) >= self.max_waiting:
+                raise OverloadedError(f"{len(self._items)} requests already wait for KV memory (max_waiting="
+                                      f"{self.max_waiting}); retry later")
+            self._items.append(request)
+            self.changed.notify()
+
+    def head(self) -> _Request | None:
+        with self._lock:
+            return self._items[0] if self._items else None
+
+    def pop(self) -> None:
+        with self._lock:
+            self._items.popleft()
+
+    def drain(self) -> list[_Request]:
+        with self._lock:
+            items = list(self._items)
+            self._items.clear()
+            return items
+
+    def notify(self) -> None:
+        with self._lock:
+            self.changed.notify()
+
+    def close(self, error: Callable[[], BaseException]) -> None:
+        """From now on `put` raises `error()` (the first close's error stays)."""
+        with self._lock:
+            self.closed = self.closed or error
+            self.changed.notify()
+
+
 class RequestHandle:
     def __init__(self, request: _Request, wake: Callable[[], None]):
         self._request, self._wake = request, wake
@@ -134,14 +185,8 @@ class Scheduler:
             budget = SpeculationBudget.measured(decoder.target.model,
                                                 decoder.draft.model if decoder.draft is not None else None)
         self.budget = budget
-        self._waiting: collections.deque[_Request] = collections.deque()
+        self.waiting = WaitingQueue(config.max_waiting)
         self._running: dict[str, _Request] = {}  # key -> request, in admission order
-        self._lock = threading.Lock()
-        self._wakeup = threading.Condition(self._lock)
-        self._stopping = False
-        self._thread: threading.Thread | None = None
-        self._step_started: float | None = None  # time.monotonic() while the thread is inside a step (health)
-        self._died = False  # the thread ended on an unexpected error: the replica must be replaced
         self._draft_failed = False  # the draft failed a session in the current step
         self.steps = 0
         self.depth_histogram: collections.Counter[int] = collections.Counter()  # chosen draft depth per step
@@ -159,17 +204,8 @@ class Scheduler:
         lease = DraftLease(stats, self.config.draft_retry_s, self.config.draft_max_retry_s)
         request = _Request(uuid.uuid4().hex, list(prompt_ids), sampling, spec, seed, sink, deadline, stats, lease)
         self._check_fits(request)
-        with self._lock:
-            if self._died:
-                raise EngineStoppedError("target restarting, retry")
-            if self._stopping:
-                raise ShuttingDownError("the server is shutting down; retry on another replica")
-            if len(self._waiting) >= self.config.max_waiting:
-                raise OverloadedError(f"{len(self._waiting)} requests already wait for KV memory (max_waiting="
-                                      f"{self.config.max_waiting}); retry later")
-            self._waiting.append(request)
-            self._wakeup.notify()
-        return RequestHandle(request, self._wake)
+        self.waiting.put(request)
+        return RequestHandle(request, self.waiting.notify)
 
     def _check_fits(self, request: _Request) -> None:
         """Refuse at once what no amount of waiting would admit: more KV than an arena holds (a client mistake:
@@ -177,7 +213,7 @@ class Scheduler:
         draft_arena = getattr(self.drafter, "arena", None)
         needs = [(request.max_len, self.arena.capacity, "kv_tokens")]
         if request.spec.speculative and draft_arena is not None:
-            needs.append((self.drafter.kv_tokens(self._draft_request(request)), draft_arena.capacity,
+            needs.append((self.drafter.kv_tokens(draft_request(request)), draft_arena.capacity,
                           "draft_kv_tokens"))
         for tokens, capacity, name in needs:
             if tokens > capacity:
@@ -186,35 +222,11 @@ class Scheduler:
                                       f"tree); this replica holds {capacity} (scheduler.{name}): lower max_tokens or "
                                       f"the prompt")
 
-    @staticmethod
-    def _draft_request(request: _Request) -> DraftRequest:
-        return DraftRequest(request.prompt_ids, request.sampling, request.spec, request.max_len,
-                            draft_seed(request.seed))
-
-    @property
-    def running(self) -> bool:
-        """The scheduler's thread runs and takes new requests."""
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
-
-    def health(self) -> str | None:
-        """Why this scheduler cannot serve (None = it can): its thread ended or is stopping, or one engine step has
-        run past `stall_timeout_s`. The target's one health predicate: Serve's check_health, the gRPC health
-        service and GET /health all read it."""
-        if self._thread is None or not self._thread.is_alive():
-            return "the scheduler thread is not running"
-        if self._stopping:
-            return "shutting down"
-        started = self._step_started
-        if started is not None and time.monotonic() - started > self.config.stall_timeout_s:
-            return (f"one engine step has run for {time.monotonic() - started:.0f} s "
-                    f"(scheduler.stall_timeout_s = {self.config.stall_timeout_s:g})")
-        return None
-
     def num_running(self) -> int:
         return len(self._running)
 
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self.waiting)
 
     def num_without_draft(self) -> dict[str, int]:
         """Running speculative requests that decode target-only now, by why: `draft_unavailable` (their draft
@@ -230,70 +242,16 @@ class Scheduler:
                 counts["catch_up_deferred"] += 1
         return counts
 
-    # ---- the scheduler's thread ---------------------------------------------------------------------------------
-    def start(self) -> "Scheduler":
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="evospec-scheduler", daemon=True)
-            self._thread.start()
-        return self
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Fail whatever still runs or waits (OverloadedError 'shutting down') and end the thread."""
-        with self._lock:
-            self._stopping = True
-            self._wakeup.notify()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            self._thread = None
-
-    def _wake(self) -> None:
-        with self._lock:
-            self._wakeup.notify()
-
-    def _idle(self) -> bool:
-        return not self._stopping and not self._waiting and not self._running
-
-    def _loop(self) -> None:
-        try:
-            self._serve()
-        except BaseException as exc:  # noqa: BLE001 - the thread ends here (logged): nothing may wait for it forever
-            log.critical("the scheduler thread stopped", exc_info=exc)
-            self._died = True
-            self._fail_everything(EngineStoppedError("target restarting, retry"))
-
-    def _serve(self) -> None:
-        while True:
-            with self._lock:
-                idle = self._idle()
-            if idle and self.drafter is not None:
-                self._flush_drafter()  # closes of the last step's sessions reach the draft now (outside the lock)
-            with self._lock:
-                while self._idle():
-                    self._wakeup.wait()
-                if self._stopping:
-                    break
-            self._step_started = time.monotonic()
-            try:
-                self.step()
-            except Exception as exc:  # noqa: BLE001 - a bug must fail the requests it hit, never hang them all
-                log.exception("scheduler step failed")
-                for request in list(self._running.values()):
-                    self._fail(request, exc)
-            self._step_started = None
-        self._fail_everything(ShuttingDownError("the server is shutting down; retry on another replica"))
-
-    def _fail_everything(self, error: BaseException) -> None:
-        """Fail what runs or waits; submit refuses from now on (the thread is ending)."""
-        with self._lock:
-            self._stopping = True
-            leftover = [*self._running.values(), *self._waiting]
-            self._waiting.clear()
-        for request in leftover:
+    def fail_everything(self, error: BaseException, waiting: bool = True) -> None:
+        """Fail what runs, and what waits unless `waiting` is False (SchedulerThread: a step that raised fails the
+        requests it hit; a thread that ends fails everything, its queue closed)."""
+        for request in [*self._running.values(), *(self.waiting.drain() if waiting else ())]:
             self._fail(request, error)
 
+    # ---- stepping -----------------------------------------------------------------------------------------------
     def run_until_idle(self) -> None:
         """Step until nothing runs or waits (tests and benchmarks drive the scheduler without its thread)."""
-        while self._running or self._waiting:
+        while self._running or len(self.waiting):
             self.step()
 
     def step(self) -> None:
@@ -306,10 +264,10 @@ class Scheduler:
                 self._resume_drafts()
         if not self._running:
             if self.drafter is not None:
-                self._flush_drafter()  # the closes of requests just dropped: an idle scheduler has no next step
+                self.flush_drafter()  # the closes of requests just dropped: an idle scheduler has no next step
             return
         with profile.span("plan"):
-            prefills = self._plan_prefill()
+            prefills = plan_prefill(self._running.values(), self.config.prefill_chunk)
             decoding = [r for r in self._running.values() if r.target.prefill_remaining == 0]
             drafting = [r for r in decoding if r.lease.drafting]  # before _draft: a catch-up may end, a failure drop
             k = self._choose_depth(drafting, sum(prefills.values()))
@@ -324,41 +282,40 @@ class Scheduler:
                 self.budget.record_step_outcome(StepOutcome(
                     depth=k, trees=[(r.kind, r.spec.tree) for r in decoding if r.key in trees],
                     drafting=[r.kind for r in decoding if r.lease.drafting], prefilled=bool(prefills),
-                    draft_prefilled=draft_prefill, draft_failed=self._draft_failed, tokens=tokens, target_seconds=target_seconds,
+                    draft_prefilled=draft_prefill, draft_failed=self._draft_failed, tokens=tokens,
+                    target_seconds=target_seconds,
                     draft_seconds=draft_seconds + feedback_seconds, committed=committed))
         if self.drafter is not None:
             with profile.span("flush"):
-                self._flush_drafter()
+                self.flush_drafter()
         self.steps += 1
         profile.count_step(k)
         self.depth_histogram[k] += 1
 
     # ---- one step, layer by layer -------------------------------------------------------------------------------
     def _admit(self) -> None:
-        while self._waiting and len(self._running) < self.config.max_running:
-            with self._lock:
-                request = self._waiting[0]
+        while (request := self.waiting.head()) is not None and len(self._running) < self.config.max_running:
             if request.deadline is not None and time.monotonic() > request.deadline:
-                self._pop_waiting()
+                self.waiting.pop()
                 self._fail(request, DeadlineExceeded("deadline exceeded while waiting for KV memory"))
                 continue
             if request.cancelled.is_set():
-                self._pop_waiting()
+                self.waiting.pop()
                 continue
             cache = self.arena.reserve(request.max_len)
             if cache is None:
                 if not self._running:  # nothing will free KV: an arena too fragmented or leaked; never spin
-                    self._pop_waiting()
+                    self.waiting.pop()
                     self._fail(request, OverloadedError("no KV region large enough is free; retry later"))
                     continue
                 return  # FCFS: the head waits for KV, the others wait behind it
             if request.spec.speculative:
                 try:
-                    self.drafter.open(request.key, self._draft_request(request))
+                    self.drafter.open(request.key, draft_request(request))
                 except OverloadedError as exc:
                     self.arena.release(cache)
                     if not self._running:
-                        self._pop_waiting()
+                        self.waiting.pop()
                         self._fail(request, exc)
                         continue
                     return
@@ -368,12 +325,8 @@ class Scheduler:
                     deferred = self.config.draft_prefill == "deferred"
                     request.lease.opened(len(request.prompt_ids) - 1 if deferred else 0)
             request.target = self.decoder.target.open(request.prompt_ids, request.sampling, cache, request.seed)
-            self._pop_waiting()
+            self.waiting.pop()
             self._running[request.key] = request
-
-    def _pop_waiting(self) -> None:
-        with self._lock:
-            self._waiting.popleft()
 
     def _drop_cancelled(self) -> None:
         now = time.monotonic()
@@ -403,16 +356,6 @@ class Scheduler:
             request.lease.resumed(len(context))
             log.info("request %s resumes speculation (%d context tokens to catch up)", request.key[:8],
                      request.lease.lag)
-
-    def _plan_prefill(self) -> dict[str, int]:
-        """Prompt tokens to prefill this step per request key: at most `prefill_chunk` in all, oldest first."""
-        room, plan = self.config.prefill_chunk, {}
-        for request in self._running.values():
-            remaining = request.target.prefill_remaining
-            if remaining and room:
-                plan[request.key] = min(remaining, room)
-                room -= plan[request.key]
-        return plan
 
     def _choose_depth(self, speculative: list[_Request], prefill_tokens: int) -> int:
         if not speculative:
@@ -523,12 +466,12 @@ class Scheduler:
             if finish is None and request.lease.held:
                 feedback[request.key] = (verified, stats)
             if tokens:
-                self._emit(request, TokensOut(tokens))
+                deliver(request, TokensOut(tokens))
             if finish is not None:
                 if self.budget is not None and finish == "stop":  # a natural end; max_tokens says nothing of it
                     self.budget.record_finished(len(request.output_ids))
                 self._release(request)
-                self._emit(request, Finished(finish, stats))
+                deliver(request, Finished(finish, stats))
         self.profile.add("commit", time.perf_counter() - commit_start)
         if feedback:
             start = time.perf_counter()
@@ -557,7 +500,7 @@ class Scheduler:
             except Exception:  # noqa: BLE001 - closing is best effort; the draft side also times sessions out
                 pass
 
-    def _flush_drafter(self) -> None:
+    def flush_drafter(self) -> None:
         try:
             self.drafter.flush()
         except Exception as exc:  # noqa: BLE001 - the drafter's sessions go on target-only
@@ -578,11 +521,29 @@ class Scheduler:
 
     def _fail(self, request: _Request, error: BaseException) -> None:
         self._release(request)
-        self._emit(request, Failed(error))
+        deliver(request, Failed(error))
 
-    def _emit(self, request: _Request, event: SchedulerEvent) -> None:
-        """A sink that fails (its consumer is gone) cancels its request; it never stops the scheduler."""
-        try:
-            request.sink(event)
-        except Exception:  # noqa: BLE001
-            request.cancelled.set()
+
+def draft_request(request: _Request) -> DraftRequest:
+    """What the drafter is asked to open for `request`: its prompt, sampling, speculation, KV bound and draft seed."""
+    return DraftRequest(request.prompt_ids, request.sampling, request.spec, request.max_len, draft_seed(request.seed))
+
+
+def plan_prefill(running: Iterable[_Request], chunk: int) -> dict[str, int]:
+    """Prompt tokens to prefill this step per request key: at most `chunk` in all, oldest first."""
+    room, plan = chunk, {}
+    for request in running:
+        remaining = request.target.prefill_remaining
+        if remaining and room:
+            plan[request.key] = min(remaining, room)
+            room -= plan[request.key]
+    return plan
+
+
+def deliver(request: _Request, event: SchedulerEvent) -> None:
+    """An event to the request's sink. A sink that fails (its consumer is gone) cancels its request; it never stops
+    the scheduler."""
+    try:
+        request.sink(event)
+    except Exception:  # noqa: BLE001
+        request.cancelled.set()

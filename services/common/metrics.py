@@ -194,13 +194,14 @@ class HttpMetrics:
                                  labelnames=("model_name", "dtype", "cpu"), registry=self.registry)
         self.model_name = model_name
 
-    async def render(self, scheduler, adapt_stats: Callable[[], Awaitable[dict]] | None = None,
+    async def render(self, replica, adapt_stats: Callable[[], Awaitable[dict]] | None = None,
                      timeout_s: float = 1.0) -> bytes:
-        """The registry's text after reading the scheduler's queues and, when a draft replica answers within
-        `timeout_s`, its adapter version (a replica starting or gone: the target's metrics still count)."""
+        """The registry's text after reading the replica's scheduler queues (`replica`: a TargetReplica) and, when a
+        draft replica answers within `timeout_s`, its adapter version (a replica starting or gone: the target's
+        metrics still count)."""
         from prometheus_client import generate_latest
-        dtype = str(scheduler.decoder.target.model.embed_tokens.weight.dtype).removeprefix("torch.")
-        self.engine_info.labels(model_name=self.model_name, dtype=dtype, cpu=cpu_description()).set(1)
+        scheduler = replica.scheduler
+        self.engine_info.labels(model_name=self.model_name, dtype=replica.dtype, cpu=cpu_description()).set(1)
         self.running.set(scheduler.num_running())
         self.waiting.set(scheduler.num_waiting())
         for reason, count in scheduler.num_without_draft().items():

@@ -97,7 +97,7 @@ class TargetDeployment:
     async def Watch(self, request, grpc_context=None):
         """grpc.health.v1.Health/Watch (load balancers use it): the status now, then each change."""
         async for response in watch_responses(self.server.health, request.service, HEALTH_SERVICES,
-                                              ending=lambda: not self.server.scheduler.running):
+                                              ending=lambda: not self.server.replica.runner.running):
             yield response
 
     async def List(self, request, grpc_context=None):

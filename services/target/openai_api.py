@@ -328,11 +328,11 @@ class OpenAIFront:
         self._check_model(body.model)
         refuse_unsupported(body)
         prompt_ids = await asyncio.to_thread(self.server.prompt_ids, prompt)
-        room = self.server.decoder.max_model_len - len(prompt_ids)
+        room = self.server.replica.max_model_len - len(prompt_ids)
         if room < 1:
             raise InvalidRequestError("messages" if prompt.messages else "prompt",
                                       f"has {len(prompt_ids)} tokens; the context holds "
-                                      f"{self.server.decoder.max_model_len}: shorten it")
+                                      f"{self.server.replica.max_model_len}: shorten it")
         max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         values = {"max_tokens": getattr(body, max_tokens_param) or min(self.public.default_max_tokens, room),
                   "temperature": OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
@@ -344,7 +344,7 @@ class OpenAIFront:
         if sampling.max_tokens > room:
             raise InvalidRequestError(max_tokens_param, f"is {sampling.max_tokens}, but the prompt's "
                                                         f"{len(prompt_ids)} tokens leave {room} of the "
-                                                        f"{self.server.decoder.max_model_len}-token context")
+                                                        f"{self.server.replica.max_model_len}-token context")
         return GenerateRequest(Prompt(token_ids=prompt_ids), sampling, spec_of(body.speculation, self.server),
                                request_id, stop_strings(body.stop)), len(prompt_ids)
 
@@ -369,7 +369,7 @@ class OpenAIFront:
             return self._error_response(openai_error(exc, "", self.public.retry_after_s))
         return JSONResponse({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": 0, "owned_by": "evospec",
-            "max_model_len": self.server.decoder.max_model_len}]})
+            "max_model_len": self.server.replica.max_model_len}]})
 
     async def health(self, request):
         """200 while the replica's health predicate holds (TargetServer.health), else 503 with the reason; open, like
@@ -382,7 +382,7 @@ class OpenAIFront:
 
     async def metrics(self, request):
         text = b"" if self.http_metrics is None else \
-            await self.http_metrics.render(self.server.scheduler, self.server.drafts.adapt_stats)
+            await self.http_metrics.render(self.server.replica, self.server.drafts.adapt_stats)
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     # ---- generation -----------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import torch
 
 from evospec.config import METHODS, SamplingParams, SpecParams
 from evospec.engine.generate import SpeculativeDecoder
+from evospec.engine.runner import SchedulerThread
 from evospec.engine.scheduler import Failed, Finished, Scheduler, TokensOut
 from evospec.engine.stats import SpecStats
 from evospec.errors import InvalidRequestError
@@ -123,6 +124,30 @@ def remote_draft_scheduler(model: Qwen3, eos_ids: tuple[int, ...], static_ids: t
     return Scheduler(decoder, cfg.scheduler, drafter)
 
 
+@dataclass(frozen=True)
+class TargetReplica:
+    """What a target replica serves with, as its server, fronts and metrics see it (they never reach into the
+    engine): the scheduler that runs every generation and the thread that runs it, the context length, the loaded
+    static vocabulary, and where and in which dtype the target computes."""
+    scheduler: Scheduler
+    runner: SchedulerThread
+    max_model_len: int
+    static_vocab_size: int
+    static_vocab_sha: str
+    device: str
+    dtype: str  # "bfloat16" | "float32" | ...: dtype auto chooses per machine (evospec/loading.py)
+
+    @classmethod
+    def serving(cls, scheduler: Scheduler, static_vocab_sha: str) -> "TargetReplica":
+        """The replica of `scheduler`, its thread started."""
+        decoder = scheduler.decoder
+        static_ids = decoder.policies.static_ids
+        return cls(scheduler, SchedulerThread(scheduler).start(), decoder.max_model_len,
+                   0 if static_ids is None else int(static_ids.shape[0]), static_vocab_sha,
+                   str(decoder.target.device),
+                   str(decoder.target.model.embed_tokens.weight.dtype).removeprefix("torch."))
+
+
 class MetricsSink(Protocol):
     def record(self, stats: SpecStats, method: str, ttft_s: float, e2e_s: float, finish_reason: str,
                dynamic_size: int = 0, inter_token_s: list[float] = ()) -> None: ...
@@ -139,12 +164,10 @@ class DraftSide:
 
 @dataclass
 class TargetServer:
-    decoder: SpeculativeDecoder
+    replica: TargetReplica
     tokenizer: object
     drafts: DraftSide
-    scheduler: Scheduler
     default_spec: SpecParams = SpecParams()
-    static_vocab_sha: str = ""
     model_name: str = ""
     metrics: tuple[MetricsSink, ...] = ()  # each records every finished generation (Ray's export, /metrics)
     api_tokens: tuple[str, ...] = ()  # bearer tokens of the public API (none = no authentication)
@@ -158,13 +181,17 @@ class TargetServer:
         apply_cpu_settings(cfg.model)
         model, folder = load_model(cfg.model, "target")
         static_ids, sha = load_static_ids(cfg.static_vocab)
-        scheduler = remote_draft_scheduler(model, stop_token_ids(folder), static_ids, sha, cfg, drafts.pool).start()
-        decoder = scheduler.decoder
+        scheduler = remote_draft_scheduler(model, stop_token_ids(folder), static_ids, sha, cfg, drafts.pool)
+        replica = TargetReplica.serving(scheduler, sha)
         log.info("target linear maps, operand order measured on this machine: %s", linear_orders())
         tokenizer = load_tokenizer(str(folder))
-        max_prompt_bytes = cfg.public.max_prompt_bytes or decoder.max_model_len * max_token_bytes(tokenizer)
-        return cls(decoder, tokenizer, drafts, scheduler, cfg.default_spec, sha, str(Path(folder)), metrics,
-                   api_tokens(cfg.public), max_prompt_bytes, cfg.public.stream_interval)
+        max_prompt_bytes = cfg.public.max_prompt_bytes or replica.max_model_len * max_token_bytes(tokenizer)
+        return cls(replica, tokenizer, drafts, cfg.default_spec, str(Path(folder)), metrics, api_tokens(cfg.public),
+                   max_prompt_bytes, cfg.public.stream_interval)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.replica.scheduler
 
     def authorize(self, authorization: str | None) -> None:
         """UnauthenticatedError unless the API is open or `authorization` is 'Bearer <one of the tokens>'."""
@@ -173,7 +200,7 @@ class TargetServer:
 
     def close(self) -> None:
         """Stop the scheduler (what still runs fails with 'shutting down') and its draft stream."""
-        self.scheduler.stop()
+        self.replica.runner.stop()
         shutdown = getattr(self.scheduler.drafter, "shutdown", None)
         if shutdown is not None:
             shutdown()
@@ -182,26 +209,24 @@ class TargetServer:
         """The Target deployment's one health predicate (None = it serves): its scheduler thread alive and stepping.
         Serve's check_health, the gRPC health service and GET /health read it (services/common/health.py). The draft
         is not part of it: without one, generations run target-only."""
-        return self.scheduler.health()
+        return self.replica.runner.health()
 
     def num_sessions(self) -> int:
         return len(self.active)
 
     async def info(self) -> ServerInfo:
-        static_ids = self.decoder.policies.static_ids
+        replica = self.replica
         return ServerInfo(version=version("evospec-serve"), draft_model=await self.drafts.model_name(),
                           target_model=self.model_name, methods=list(METHODS),
-                          default_method=self.default_spec.method, max_model_len=self.decoder.max_model_len,
-                          static_vocab_size=0 if static_ids is None else int(static_ids.shape[0]),
-                          static_vocab_sha=self.static_vocab_sha, device=str(self.decoder.target.device),
-                          max_prompt_bytes=self.max_prompt_bytes or 0,
-                          target_dtype=str(self.decoder.target.model.embed_tokens.weight.dtype).removeprefix("torch."),
-                          cpu=cpu_description())
+                          default_method=self.default_spec.method, max_model_len=replica.max_model_len,
+                          static_vocab_size=replica.static_vocab_size, static_vocab_sha=replica.static_vocab_sha,
+                          device=replica.device, max_prompt_bytes=self.max_prompt_bytes or 0,
+                          target_dtype=replica.dtype, cpu=cpu_description())
 
     def check_prompt_size(self, prompt: Prompt) -> None:
         """Refuse, without tokenizing, text that cannot fit the context (a prompt of many megabytes would hold a
         tokenizer thread for seconds), and token-id lists longer than the context."""
-        limit, context = self.max_prompt_bytes, self.decoder.max_model_len
+        limit, context = self.max_prompt_bytes, self.replica.max_model_len
         if prompt.token_ids is not None and len(prompt.token_ids) >= context:
             raise InvalidRequestError("prompt_token_ids", f"has {len(prompt.token_ids)} ids; the context holds "
                                                           f"{context} tokens")

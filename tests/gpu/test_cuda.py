@@ -49,7 +49,14 @@ def test_decoupled_path_with_a_cuda_target():
     from evospec.services.draft.servicer import start_draft_server
     from evospec.services.target.draft_link import DraftReplicas
     from evospec.services.target.remote_draft import RemoteMuxDrafter
-    from evospec.services.target.server import DraftSide, FinishedEvent, GenerateRequest, Prompt, TargetServer
+    from evospec.services.target.server import (
+        DraftSide,
+        FinishedEvent,
+        GenerateRequest,
+        Prompt,
+        TargetReplica,
+        TargetServer,
+    )
     from evospec.tokenizer import load_tokenizer
     from evospec.vocab.registry import VocabPolicies
 
@@ -62,11 +69,11 @@ def test_decoupled_path_with_a_cuda_target():
     assert pool.wait_healthy(1, timeout_s=10)
     decoder = SpeculativeDecoder(target, None, static_ids=static)
     drafter = RemoteMuxDrafter(pool, decoder.policies.layout, 4096, "sha", decoder.target.device)
-    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, adaptive=False), drafter).start()
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, adaptive=False), drafter)
 
     async def nothing():
         return 0
-    server = TargetServer(decoder, load_tokenizer(), DraftSide(pool, nothing, nothing), scheduler)
+    server = TargetServer(TargetReplica.serving(scheduler, "sha"), load_tokenizer(), DraftSide(pool, nothing, nothing))
 
     async def run(sampling, spec):
         tokens, last = [], None

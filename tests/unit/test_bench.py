@@ -83,6 +83,7 @@ def test_head_row_counts_of_cost_names():
 
 
 @pytest.mark.slow
+@pytest.mark.nightly  # the benchmark tool's own run; adaptation stays lossless: tests/unit/test_adapt.py
 def test_bench_adapt_stream_on_the_tiny_pair_is_lossless_and_the_adapters_change():
     """`evospec bench adapt` in CI size: a short medical stream on the tiny pair, adaptation off and LoRA, same
     prompts and seeds: every greedy output is target-only decoding's, and the served adapter moved off zero."""

@@ -104,8 +104,8 @@ def test_a_dead_scheduler_thread_fails_every_health_answer_and_its_requests_with
     with pytest.raises(Exception):
         stream(server, 64, context)
     assert context.code == grpc.StatusCode.UNAVAILABLE and context.details == "target restarting, retry"
-    server.scheduler._thread.join(10)
-    assert not server.scheduler._thread.is_alive()
+    server.replica.runner._thread.join(10)
+    assert not server.replica.runner._thread.is_alive()
     assert health_answers(server, app) == NOT_SERVING
     assert "not running" in server.health()
     context = Context()  # a new call is refused at once, the same way (the SDK retries it)

@@ -17,6 +17,7 @@ from evospec.adapt import build_learner
 from evospec.config import AdaptConfig, SamplingParams, SchedulerConfig, SpecParams, TreeParams
 from evospec.engine.draft import DraftEngine
 from evospec.engine.generate import SpeculativeDecoder
+from evospec.engine.runner import SchedulerThread
 from evospec.engine.scheduler import Finished, Scheduler, TokensOut
 from evospec.errors import InvalidRequestError
 from evospec.services.config import DraftLinkConfig
@@ -24,7 +25,14 @@ from evospec.services.draft.server import DraftServer
 from evospec.services.draft.servicer import start_draft_server
 from evospec.services.target.draft_link import DraftReplicas
 from evospec.services.target.remote_draft import RemoteMuxDrafter
-from evospec.services.target.server import DraftSide, FinishedEvent, GenerateRequest, Prompt, TargetServer
+from evospec.services.target.server import (
+    DraftSide,
+    FinishedEvent,
+    GenerateRequest,
+    Prompt,
+    TargetReplica,
+    TargetServer,
+)
 from evospec.testing import RandomDepth, random_pair, wait_for
 from evospec.tokenizer import load_tokenizer
 from evospec.vocab.registry import VocabPolicies
@@ -138,8 +146,9 @@ def make_server(decoder: SpeculativeDecoder, pool: DraftReplicas, budget=None) -
     async def nothing() -> int:
         return 0
     scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, adaptive=False, draft_prefill="with_target"),
-                          mux_drafter(decoder, pool), budget=budget).start()
-    return TargetServer(decoder, load_tokenizer(), DraftSide(pool, model_name=nothing, num_sessions=nothing), scheduler)
+                          mux_drafter(decoder, pool), budget=budget)
+    return TargetServer(TargetReplica.serving(scheduler, "sha"), load_tokenizer(),
+                        DraftSide(pool, model_name=nothing, num_sessions=nothing))
 
 
 @pytest.mark.parametrize("method", ["ar", "frspec", "evospec"])
@@ -220,11 +229,12 @@ def test_draft_stream_failures_fall_back_to_target_only(setup):
     wait_closed(draft_server)
 
 
-def make_scheduler(decoder: SpeculativeDecoder, pool: DraftReplicas, **config) -> Scheduler:
+def make_scheduler(decoder: SpeculativeDecoder, pool: DraftReplicas, **config) -> SchedulerThread:
+    """A scheduler over the stream to `pool`, running on its own thread (as in a target replica)."""
     # with_target: the per-request loop's order, so counted statistics and seeded samples compare exactly
     config = {"kv_tokens": 16384, "adaptive": False, "draft_retry_s": 0.05, "draft_max_retry_s": 0.5,
               "draft_prefill": "with_target", **config}
-    return Scheduler(decoder, SchedulerConfig(**config), mux_drafter(decoder, pool)).start()
+    return SchedulerThread(Scheduler(decoder, SchedulerConfig(**config), mux_drafter(decoder, pool))).start()
 
 
 class TimedSink:
@@ -265,7 +275,8 @@ def test_two_draft_replicas_one_dies_the_others_sessions_are_untouched():
     draft_servers = [DraftServer(DraftEngine(draft), VocabPolicies(draft.head_weight, STATIC), "sha") for _ in "ab"]
     started = [start_draft_server(s, "127.0.0.1") for s in draft_servers]
     pool = pool_for(*(f"127.0.0.1:{port}" for _, port in started))
-    scheduler = make_scheduler(SpeculativeDecoder(target, None, static_ids=STATIC), pool)
+    runner = make_scheduler(SpeculativeDecoder(target, None, static_ids=STATIC), pool)
+    scheduler = runner.scheduler
     methods = ["sd", "frspec", "evospec", "ar"] * 2
     sinks = [TimedSink(pace_s=0.002) for _ in methods]
     sampling = SamplingParams(max_tokens=120, ignore_eos=True)
@@ -275,7 +286,7 @@ def test_two_draft_replicas_one_dies_the_others_sessions_are_untouched():
     held = [s.num_sessions() for s in draft_servers]
     started[0][0].stop(grace=None)  # replica a dies while all eight stream
     assert wait_for(lambda: all(s.end is not None for s in sinks), 60)
-    scheduler.stop()
+    runner.stop()
     pool.close()
     started[1][0].stop(grace=None)
     assert held == [3, 3]  # six speculative sessions, spread by load
@@ -311,7 +322,8 @@ def test_a_frozen_draft_replica_stalls_nothing_and_speculation_comes_back():
         pool = DraftReplicas(lambda: [f"127.0.0.1:{port}"],
                              DraftLinkConfig(step_timeout_s=0.5, retry_s=0.1, max_retry_s=0.5, probe_timeout_s=0.3))
         assert pool.wait_healthy(1, timeout_s=30)
-        scheduler = make_scheduler(SpeculativeDecoder(target, None, static_ids=STATIC), pool)
+        runner = make_scheduler(SpeculativeDecoder(target, None, static_ids=STATIC), pool)
+        scheduler = runner.scheduler
         methods = ["sd", "frspec", "evospec", "ar"]
         sinks = [TimedSink(pace_s=0.005) for _ in methods]
         handles = [scheduler.submit([4 + i, 50], SamplingParams(max_tokens=1000, ignore_eos=True), spec_for(m), sink)
@@ -325,7 +337,7 @@ def test_a_frozen_draft_replica_stalls_nothing_and_speculation_comes_back():
         for handle in handles:
             handle.cancel()
         assert wait_for(lambda: scheduler.num_running() == 0, 10)
-        scheduler.stop()
+        runner.stop()
         pool.close()
     finally:
         os.kill(proc.pid, signal.SIGCONT)
@@ -361,11 +373,12 @@ def test_a_slow_but_alive_draft_replica_is_waited_for():
     pool = DraftReplicas(lambda: [f"127.0.0.1:{port}"], DraftLinkConfig(step_timeout_s=0.1, retry_s=0.05))
     try:
         assert pool.wait_healthy(1, timeout_s=10)
-        scheduler = make_scheduler(SpeculativeDecoder(target, None, static_ids=STATIC), pool)
+        runner = make_scheduler(SpeculativeDecoder(target, None, static_ids=STATIC), pool)
+        scheduler = runner.scheduler
         sink = TimedSink(pace_s=0.02)  # the target-only steps after the first late one take a while too
         handle = scheduler.submit([4, 50], SamplingParams(max_tokens=40, ignore_eos=True), spec_for("frspec"), sink)
         assert wait_for(lambda: sink.end is not None, 60)
-        scheduler.stop()
+        runner.stop()
     finally:
         pool.close()
         grpc_server.stop(grace=None)
@@ -389,7 +402,8 @@ def test_a_draft_replica_restarted_at_a_new_address_is_found_and_used():
     first = new_replica()
     pool = DraftReplicas(lambda: list(addresses), DraftLinkConfig(step_timeout_s=2, retry_s=0.1, refresh_s=0.5))
     assert pool.wait_healthy(1, timeout_s=10)
-    scheduler = make_scheduler(SpeculativeDecoder(target, None, static_ids=STATIC), pool)
+    runner = make_scheduler(SpeculativeDecoder(target, None, static_ids=STATIC), pool)
+    scheduler = runner.scheduler
     sinks = [TimedSink(pace_s=0.003) for _ in range(2)]
     handles = [scheduler.submit([4 + i, 50], SamplingParams(max_tokens=1000, ignore_eos=True), spec_for("evospec"),
                                 sink) for i, sink in enumerate(sinks)]
@@ -405,7 +419,7 @@ def test_a_draft_replica_restarted_at_a_new_address_is_found_and_used():
             handle.cancel()
         assert wait_for(lambda: scheduler.num_running() == 0, 10)
     finally:
-        scheduler.stop()
+        runner.stop()
         pool.close()
         second.stop(grace=None)
     assert late.stats.fallback_steps == 0 and late.stats.drafted > 0
@@ -658,7 +672,8 @@ def test_deferred_catch_up_over_the_stream_overlaps_the_target_and_stays_lossles
     """draft_prefill deferred (the default) over the stream: the draft prefills the prompt in chunks sent without
     waiting (`RemoteMuxDrafter.prefill`) after the first token, then drafts; greedy output equals ar's."""
     local, remote_only, pool, _, _ = setup
-    scheduler = make_scheduler(remote_only, pool, draft_prefill="deferred", prefill_chunk=8)
+    runner = make_scheduler(remote_only, pool, draft_prefill="deferred", prefill_chunk=8)
+    scheduler = runner.scheduler
     scheduler.drafter.overlap_prefill = True  # what a GPU target gets (a CPU one shares its cores with the draft)
     sends = []
     real_prefill = scheduler.drafter.prefill
@@ -668,7 +683,7 @@ def test_deferred_catch_up_over_the_stream_overlaps_the_target_and_stays_lossles
         handle = scheduler.submit(prompt, SamplingParams(max_tokens=24, ignore_eos=True), spec_for("evospec"), sink)
         assert wait_for(lambda: sink.end is not None, 30)
     finally:
-        scheduler.stop()
+        runner.stop()
     assert isinstance(sink.end, Finished) and sink.tokens == ar_tokens(local, prompt, 24)
     assert sum(n for sent in sends for n in sent.values()) == len(prompt) - 1 and len(sends) == 4
     assert handle.stats.drafted > 0 and handle.stats.fallback_steps == 0

@@ -1,8 +1,9 @@
 """Statistical losslessness of stochastic verification: the committed tokens follow the target distribution.
 
-Chi-square goodness of fit over seeded samples on a tiny vocabulary (10k in CI, 20k nightly: `samples`), for chain and tree drafts drawn
-without replacement from the draft distribution actually used, T in {0.7, 1.0}, with top-p. A negative control
-(a verifier that skips the residual correction) must fail the same test, so the test can fail.
+Chi-square goodness of fit over seeded samples on a tiny vocabulary (10k in CI, 20k nightly: `samples`), for chain
+and tree drafts drawn without replacement from the draft distribution actually used, T in {0.7, 1.0}, with top-p. A
+negative control (a verifier that skips the residual correction) must fail the same test at the same count, so the
+test can fail.
 """
 import numpy as np
 import pytest

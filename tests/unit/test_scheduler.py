@@ -12,6 +12,7 @@ import torch
 from evospec.config import SamplingParams, SchedulerConfig, SpecParams, TreeParams
 from evospec.engine.budget import OnlineCost, SpeculationBudget, TokenCostTable, draft_kind
 from evospec.engine.generate import SpeculativeDecoder
+from evospec.engine.runner import SchedulerThread
 from evospec.engine.scheduler import DeadlineExceeded, Failed, Finished, Scheduler
 from evospec.errors import EvoSpecError, InvalidRequestError, OverloadedError
 from evospec.kernels.tree import chain_then_tree_mask, chain_then_tree_positions
@@ -256,7 +257,8 @@ def test_cancel_and_deadline_free_resources(decoder):
 
 def test_scheduler_thread_serves_concurrent_submitters_and_stops(decoder):
     import threading
-    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096)).start()
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096))
+    runner = SchedulerThread(scheduler).start()
     done = [threading.Event() for _ in range(6)]
     sinks = []
     for i in range(6):
@@ -270,7 +272,7 @@ def test_scheduler_thread_serves_concurrent_submitters_and_stops(decoder):
         scheduler.submit([4 + i, 5], SamplingParams(max_tokens=16, ignore_eos=True),
                          SpecParams(method=["ar", "sd", "frspec"][i % 3], vocab={"static_size": 64}), on_event)
     assert all(e.wait(60) for e in done)
-    scheduler.stop()
+    runner.stop()
     for i, sink in enumerate(sinks):
         spec = SpecParams(method=["ar", "sd", "frspec"][i % 3], vocab={"static_size": 64})
         assert sink.tokens == oracle(decoder, [4 + i, 5], SamplingParams(max_tokens=16, ignore_eos=True),
@@ -475,8 +477,8 @@ def test_deep_narrow_greedy_trees_fit_their_kv_to_the_last_token(decoder):
 
 
 def test_submit_after_stop_is_refused(decoder):
-    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=1024, adaptive=False)).start()
-    scheduler.stop()
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=1024, adaptive=False))
+    SchedulerThread(scheduler).start().stop()
     with pytest.raises(OverloadedError, match="shutting down"):
         scheduler.submit([3], SamplingParams(max_tokens=4), SpecParams(method="ar"), Collector())
 

@@ -62,7 +62,7 @@ def test_unary_calls_are_retried_on_unavailable(serve):
 
 
 def test_info_and_stats_fields_keep_their_types(serve):
-    """64-bit fields are ints, not protobuf JSON's strings (info() once returned max_prompt_bytes as "1099511627776")."""
+    """64-bit fields are ints, not protobuf JSON's strings (info() once gave max_prompt_bytes as "1099511627776")."""
     client = serve(Flaky(failures=0))
     info = client.info()
     assert info["max_prompt_bytes"] == 1 << 40 and info["max_model_len"] == 4096
