@@ -104,22 +104,17 @@ def test_metrics_scraped_during_a_generation_move_by_its_statistics(oai, model, 
     assert after["vllm:num_requests_running"] == 0
 
 
-def test_a_body_over_the_limit_gets_413_not_a_reset(service):
-    """A client that sends its whole over-limit body (17 MiB, the limit is 16) before it reads gets the 413 through
-    Serve's proxy, not a connection reset."""
-    import socket
-
+def test_a_body_over_the_limit_gets_413_not_a_reset(base_url):
+    """A client that sends its whole over-limit body (17 MiB, the limit is 16) before it reads, and closes the
+    connection after one request (urllib does both), gets the 413 through Serve's proxy, not a connection reset (it
+    did while the front answered before reading the body)."""
     from evospec.services.target.ingress import max_request_bytes
     body = b'{"prompt": "' + b"x" * (max_request_bytes() + (1 << 20)) + b'"}'
-
-    def request(payload: bytes) -> bytes:
-        return (b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                b"Content-Length: %d\r\n\r\n" % len(payload)) + payload
-    with socket.create_connection(("127.0.0.1", service[1].http_port), timeout=120) as conn:
-        conn.sendall(request(body))
-        answer = conn.recv(1 << 16)
-        assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
-        assert b'"error"' in answer or b'"error"' in conn.recv(1 << 16)
+    request = urllib.request.Request(f"{base_url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=120)
+    assert e.value.code == 413 and b"at most" in e.value.read()
 
 
 def test_unknown_path_is_openai_404(base_url):

@@ -14,8 +14,9 @@ The layering rule (imports point down only; test_imports_run_one_way):
 Code that a lower layer needs from a higher one moves down (soak's prompts come from evospec.datasets, not loadtest).
 The CLI (orchestration/cli.py) is the top floor, above bench: it imports bench's and loadtest's `main` when a
 command runs them (`own_main`), and nothing imports it. Inside the core, packages import in one order too
-(`CORE_ORDER`, bottom first): kernels -> errors/config -> tree, sampling -> verify -> vocab -> model -> adapt ->
-engine -> loading, testing; a module may import its own package and those below it.
+(`CORE_ORDER`, bottom first): kernels, errors, cache, tokenizer, datasets -> config, modelstore, tiny_pair -> tree,
+sampling -> verify -> vocab, model -> adapt -> engine -> loading, testing; a module may import its own package and
+those of lower rows. No import circles anywhere (function-level imports count; `if TYPE_CHECKING:` does not).
 """
 import ast
 import subprocess
