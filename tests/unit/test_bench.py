@@ -140,3 +140,14 @@ def test_step_model_terms_from_a_profile_and_its_shapes():
     assert replace(costs, predraft=15).overlap_ms() == pytest.approx(16)  # a pre-draft longer than the verify shows
     rows = {r["shape"]: r for r in h200_projection()}
     assert rows["decoupled, chain 4"]["vs_colocated"] < 1 < rows["overlap h=0.7, chain 4"]["vs_colocated"]
+
+
+def test_batch_invariance_diagnostic_reports_every_way_and_row_count():
+    """`evospec.bench.batch_invariance` (issue 39's diagnostic) on tiny shapes: a verdict per way and row count, costs,
+    and the whole forward's logit difference; a forward is always equal to itself (k = 1 rows: 0.0)."""
+    from evospec.bench.batch_invariance import WAYS, forward_invariance, linear_invariance
+    table = linear_invariance(48, 32, torch.float32, repeats=1, rows=(2, 3))
+    assert set(table) == set(WAYS)
+    assert all(len(r["invariant"]) == 2 and r["ms_1"] > 0 and r["ms_5"] > 0 for r in table.values())
+    deltas = forward_invariance(torch.float32, layers=1, rows=(1, 3), prefix=4, hidden=48, mlp=96, vocab=64)
+    assert deltas[1] == 0.0 and deltas[3] >= 0.0
