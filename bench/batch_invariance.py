@@ -8,8 +8,9 @@ near-tie. This diagnostic measures it, per dtype, in two places:
   k = 2/5/8/16 rows against the same rows one at a time, three ways: `F.linear` as the model runs it, weight-first
   (`kernels/linear.py`'s other order), and every call padded to a fixed block of 16 rows (one kernel, one row count,
   whatever the number of real rows), with each way's cost for 1 and 5 rows;
-- the whole forward of a random model of that shape (2 layers, full head): the logits of the first token of a
-  k-token chain after a prefix, against the 1-token decode of that token.
+- the whole forward of a random model of that shape (2 layers, full head), through the model's own linear maps
+  (`kernels/linear.py`, operand order as measured here): the logits of every row of a k-token chain after a
+  prefix, against k 1-token decodes of the same tokens; and the same with the usual operand order forced.
 
     python -m evospec.bench.batch_invariance [--dtypes bfloat16 float32] [--layers 2] [--repeats 5]
 
@@ -18,11 +19,13 @@ Prints the CPU, one line per (dtype, shape) and one per (dtype, k); a diagnostic
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 
 import torch
 
 from evospec.bench.harness import run_ms
+from evospec.kernels import linear
 from evospec.kernels.tree import chain_then_tree_mask
 from evospec.model.qwen3 import Qwen3Config
 from evospec.testing import random_qwen3
@@ -65,24 +68,43 @@ def linear_invariance(out: int, inp: int, dtype: torch.dtype, repeats: int, rows
 
 def forward_invariance(dtype: torch.dtype, layers: int, rows=ROWS[:3], prefix: int = 32, hidden: int = HIDDEN,
                        mlp: int = MLP, vocab: int = 151936) -> dict[int, float]:
-    """{k: max |Δ logit|} between the first row of a k-token chain forward and the 1-token decode of that token, both
-    after the same `prefix` tokens, on a random Qwen2 model of the 1.5B target's layer shapes by default (0.0 =
-    bitwise equal)."""
+    """{k: max |Δ logit|} between a k-token chain forward (a verify) and k 1-token forwards of the same tokens one
+    after the other (`ar`'s decode), every row, after the same `prefix` tokens, on a random Qwen2 model of the 1.5B
+    target's layer shapes by default (0.0 = bitwise equal)."""
     cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
                       num_attention_heads=12, num_key_value_heads=2, head_dim=hidden // 12,
                       max_position_embeddings=4096, attention_bias=True, qk_norm=False, tie_word_embeddings=False)
     model = random_qwen3(cfg, seed=0, dtype=dtype)
     ids = torch.randint(0, cfg.vocab_size, (prefix + max(rows),), generator=torch.Generator().manual_seed(1))
 
-    def logits_of_first(k: int) -> torch.Tensor:
+    def logits(k: int, step: int) -> torch.Tensor:
+        """The k tokens after the prefix, `step` at a time, each forward's rows committed before the next."""
         cache = model.new_cache(prefix + k)
         model(ids[:prefix], torch.arange(prefix), cache, chain_then_tree_mask(0, prefix, None))
         cache.length = prefix
-        hidden = model(ids[prefix:prefix + k], torch.arange(prefix, prefix + k), cache,
-                       chain_then_tree_mask(prefix, k, None))
-        return model.full_logits(hidden[:1]).float()
-    decode = logits_of_first(1)
-    return {k: float((logits_of_first(k) - decode).abs().max()) for k in rows}
+        out = []
+        for start in range(prefix, prefix + k, step):
+            hidden = model(ids[start:start + step], torch.arange(start, start + step), cache,
+                           chain_then_tree_mask(start, step, None))
+            cache.length = start + step
+            out.append(model.full_logits(hidden).float())
+        return torch.cat(out)
+    return {k: float((logits(k, k) - logits(k, 1)).abs().max()) for k in rows}
+
+
+@contextlib.contextmanager
+def operand_order(weight_first: bool | None):
+    """Within the block, `kernels/linear.py` uses weight-first (True) or the usual order (False) for every product
+    of 2+ rows instead of its measured choice (None: leave the choice alone)."""
+    if weight_first is None:
+        yield
+        return
+    measured = linear.weight_first
+    linear.weight_first = lambda weight: weight_first
+    try:
+        yield
+    finally:
+        linear.weight_first = measured
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -103,9 +125,14 @@ def main(argv: list[str] | None = None) -> None:
             cells = [f"{way} invariant {r['invariant']} 1 row {r['ms_1']:.2f} ms, 5 rows {r['ms_5']:.2f} ms"
                      for way, r in linear_invariance(out, inp, dtype, args.repeats).items()]
             print(f"{name} {out}x{inp}: " + "; ".join(cells), flush=True)
-        for k, delta in forward_invariance(dtype, args.layers).items():
-            print(f"{name} whole forward ({args.layers} layers, full head), first of {k} rows vs 1-row decode: "
-                  f"max |Δ logit| = {delta:.3g}" + (" (bitwise equal)" if delta == 0 else ""), flush=True)
+        for order, forced in (("as measured", None), ("usual order forced", False)):
+            with operand_order(forced):
+                deltas = forward_invariance(dtype, args.layers)
+            for k, delta in deltas.items():
+                print(f"{name} whole forward ({args.layers} layers, full head, linear order {order}): {k} rows vs "
+                      f"{k} 1-row decodes, max |Δ logit| = {delta:.3g}" + (" (bitwise equal)" if delta == 0 else ""),
+                      flush=True)
+        print(f"{name} operand orders measured: {linear.linear_orders()}", flush=True)
 
 
 if __name__ == "__main__":

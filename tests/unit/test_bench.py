@@ -149,5 +149,11 @@ def test_batch_invariance_diagnostic_reports_every_way_and_row_count():
     table = linear_invariance(48, 32, torch.float32, repeats=1, rows=(2, 3))
     assert set(table) == set(WAYS)
     assert all(len(r["invariant"]) == 2 and r["ms_1"] > 0 and r["ms_5"] > 0 for r in table.values())
+    from evospec.bench.batch_invariance import operand_order
+    from evospec.kernels import linear
     deltas = forward_invariance(torch.float32, layers=1, rows=(1, 3), prefix=4, hidden=48, mlp=96, vocab=64)
     assert deltas[1] == 0.0 and deltas[3] >= 0.0
+    measured = linear.weight_first
+    with operand_order(False):
+        assert linear.weight_first(torch.zeros(4, 4)) is False
+    assert linear.weight_first is measured
