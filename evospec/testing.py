@@ -157,13 +157,19 @@ def two_token_counts(decoder, prompt: list[int], sampling: SamplingParams, spec,
                              adaptive=False, draft_prefill="with_target")
     scheduler = Scheduler(decoder, config, budget=budget)
     counts, accepted = np.zeros(vocab * vocab), 0
-    for start in range(0, n, batch):
-        requests = [(prompt, sampling.model_copy(update={"seed": seed}), spec)
-                    for seed in range(start, min(n, start + batch))]
-        for sink in run_all(scheduler, requests):
-            counts[sink.tokens[0] * vocab + sink.tokens[1]] += 1
-            accepted += sink.finished.stats.accepted
+    for sink in seeded_runs(scheduler, prompt, sampling, spec, n, batch):
+        counts[sink.tokens[0] * vocab + sink.tokens[1]] += 1
+        accepted += sink.finished.stats.accepted
     return counts, accepted, scheduler.depth_histogram
+
+
+def seeded_runs(scheduler, prompt: list[int], sampling: SamplingParams, spec, n: int, batch: int) -> list[Collector]:
+    """`n` generations of one prompt with seeds 0..n-1, `batch` at a time through `scheduler`; one sink each."""
+    done = []
+    for start in range(0, n, batch):
+        done += run_all(scheduler, [(prompt, sampling.model_copy(update={"seed": seed}), spec)
+                                    for seed in range(start, min(n, start + batch))])
+    return done
 
 
 def run_all(scheduler, requests) -> list[Collector]:

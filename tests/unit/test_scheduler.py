@@ -17,7 +17,15 @@ from evospec.engine.scheduler import DeadlineExceeded, Failed, Finished, Schedul
 from evospec.errors import EvoSpecError, InvalidRequestError, OverloadedError
 from evospec.kernels.tree import chain_then_tree_mask, chain_then_tree_positions
 from evospec.model import KVArena, Segment
-from evospec.testing import Collector, chi_square_p, exact_two_token_joint, random_pair, run_all, samples
+from evospec.testing import (
+    Collector,
+    chi_square_p,
+    exact_two_token_joint,
+    random_pair,
+    run_all,
+    samples,
+    seeded_runs,
+)
 
 VOCAB = 96
 
@@ -118,18 +126,6 @@ def test_mixed_batch_seeded_sampling_identical_to_per_request_loop(decoder, veri
     sinks = run_all(scheduler, requests)
     for (prompt, sampling, spec), sink in zip(requests, sinks):
         assert sink.tokens == oracle(decoder, prompt, sampling, spec).output_ids
-
-
-def seeded_runs(scheduler, prompt, sampling, spec, n: int, batch: int) -> list[Collector]:
-    """`n` generations of one prompt with seeds 0..n-1, `batch` at a time through the scheduler."""
-    done = []
-    for start in range(0, n, batch):
-        sinks = [Collector() for _ in range(batch)]
-        for i, sink in enumerate(sinks):
-            scheduler.submit(prompt, sampling.model_copy(update={"seed": start + i}), spec, sink)
-        scheduler.run_until_idle()
-        done += sinks
-    return done
 
 
 # A draft depth drawn at random each step keeps the target's distribution: the `sd-tree-random-depth` case of

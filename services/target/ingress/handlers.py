@@ -5,9 +5,9 @@
   requests over `max_request_bytes()`, unparsed) reaches the gRPC front, which answers INVALID_ARGUMENT naming the
   field.
 - grpc.health.v1 Check answers NOT_SERVING, with the reason in its trailing metadata (`evospec-health-reason`;
-  an OK status carries no details), where the proxy would answer an
-  error status because no target replica can take the call (a restart: UNAVAILABLE). A health checker asked
-  "is it serving?" gets "no, and why", as the protocol intends, not a transport error.
+  an OK status carries no details), where the proxy would answer an error status because no target replica can
+  take the call (a restart: UNAVAILABLE). A health checker asked "is it serving?" gets "no, and why", as the
+  protocol intends, not a transport error.
 
 Only handlers registered after `install_handler_policy` get this, so `install_error_policy` comes first among the
 proxy's servicer functions.
