@@ -28,6 +28,7 @@ from evospec.bench.harness import run_ms
 from evospec.kernels import linear
 from evospec.kernels.tree import chain_then_tree_mask
 from evospec.model.qwen3 import Qwen3Config
+from evospec.model.weight_formats import WEIGHT_ONLY, apply_weight_format
 from evospec.testing import random_qwen3
 
 HIDDEN, MLP, HEAD_SLICE = 1536, 8960, 151936 // 8
@@ -67,19 +68,22 @@ def linear_invariance(out: int, inp: int, dtype: torch.dtype, repeats: int, rows
 
 
 def forward_invariance(dtype: torch.dtype, layers: int, rows=ROWS[:3], prefix: int = 32, hidden: int = HIDDEN,
-                       mlp: int = MLP, vocab: int = 151936) -> dict[int, float]:
+                       mlp: int = MLP, vocab: int = 151936, weight_format: str = "none",
+                       pad_single_token: bool = False) -> dict[int, float]:
     """{k: max |Δ logit|} between a k-token chain forward (a verify) and k 1-token forwards of the same tokens one
     after the other (`ar`'s decode), every row, after the same `prefix` tokens, on a random Qwen2 model of the 1.5B
-    target's layer shapes by default (0.0 = bitwise equal)."""
+    target's layer shapes by default, in `weight_format` (model/weight_formats.py; 0.0 = bitwise equal).
+    pad_single_token: the 1-token forwards run padded to two rows, as the served model may (Qwen3.forward_packed)."""
     cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
                       num_attention_heads=12, num_key_value_heads=2, head_dim=hidden // 12,
                       max_position_embeddings=4096, attention_bias=True, qk_norm=False, tie_word_embeddings=False)
-    model = random_qwen3(cfg, seed=0, dtype=dtype)
+    model = apply_weight_format(random_qwen3(cfg, seed=0, dtype=dtype), weight_format, None)
+    model.pad_single_token = pad_single_token
     ids = torch.randint(0, cfg.vocab_size, (prefix + max(rows),), generator=torch.Generator().manual_seed(1))
 
     def logits(k: int, step: int) -> torch.Tensor:
         """The k tokens after the prefix, `step` at a time, each forward's rows committed before the next."""
-        cache = model.new_cache(prefix + k)
+        cache = model.new_cache(prefix + k + 1)  # + 1: the scratch slot a padded single token writes
         model(ids[:prefix], torch.arange(prefix), cache, chain_then_tree_mask(0, prefix, None))
         cache.length = prefix
         out = []
@@ -132,6 +136,11 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{name} whole forward ({args.layers} layers, full head, linear order {order}): {k} rows vs "
                       f"{k} 1-row decodes, max |Δ logit| = {delta:.3g}" + (" (bitwise equal)" if delta == 0 else ""),
                       flush=True)
+        for weight_format in WEIGHT_ONLY:
+            deltas = forward_invariance(dtype, args.layers, weight_format=weight_format)
+            for k, delta in deltas.items():
+                print(f"{name} whole forward ({args.layers} layers, {weight_format}): {k} rows vs {k} 1-row decodes, "
+                      f"max |Δ logit| = {delta:.3g}" + (" (bitwise equal)" if delta == 0 else ""), flush=True)
         print(f"{name} operand orders measured: {linear.linear_orders()}", flush=True)
 
 

@@ -13,7 +13,8 @@ import torch
 
 from evospec.config import AdaptConfig, ModelConfig
 from evospec.engine.generate import SpeculativeDecoder
-from evospec.model import Qwen3, load_qwen3, quantize_int8
+from evospec.model import Qwen3, load_qwen3
+from evospec.model.weight_formats import apply_weight_format
 from evospec.model.qwen3 import calibrate_single_token_padding
 from evospec.modelstore.catalog import TINY, get_pair
 from evospec.tokenizer import load_tokenizer
@@ -126,17 +127,20 @@ def load_model(cfg: ModelConfig, role: str) -> tuple[Qwen3, Path]:
     # The embedded tiny pair (8M parameters: no speed to win) stays in float32 under auto, the reference numerics its
     # token-for-token tests compare against, whatever the CPU.
     dtype = "float32" if cfg.path is None and cfg.dtype == "auto" else cfg.dtype
-    model = load_qwen3_folder(folder, dtype, cfg.device, cfg.quantize)
+    model = load_qwen3_folder(folder, dtype, cfg.device, cfg.quantize, embedded=cfg.path is None)
     weights = model.embed_tokens.weight
-    log.info("%s %s: %s on %s (dtype %s%s)", role, folder.name, weights.dtype, weights.device, cfg.dtype,
-             f"; CPU {cpu_description()}" if weights.device.type == "cpu" else "")
+    log.info("%s %s: %s on %s (dtype %s, weights %s%s)", role, folder.name, weights.dtype, weights.device, cfg.dtype,
+             model.weight_format, f"; CPU {cpu_description()}" if weights.device.type == "cpu" else "")
     return model, folder
 
 
-def load_qwen3_folder(folder: Path, dtype: str = "auto", device: str = "auto", quantize: str = "none") -> Qwen3:
+def load_qwen3_folder(folder: Path, dtype: str = "auto", device: str = "auto", quantize: str = "none",
+                      embedded: bool = False) -> Qwen3:
+    """Load a model folder in `dtype`, put it in weight format `quantize` (model/weight_formats.py; `auto` measured
+    here) and calibrate single-token padding for the format it runs in."""
     dev = resolve_device(device)
     model = load_qwen3(folder, dev, resolve_dtype("float32" if quantize == "int8" else dtype, dev))
-    model = quantize_int8(model) if quantize == "int8" else model
+    model = apply_weight_format(model, quantize, folder, embedded=embedded)
     calibrate_single_token_padding(model)
     return model
 

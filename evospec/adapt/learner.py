@@ -352,10 +352,9 @@ class FullLearner(Learner):
     mode = "full"
 
     def __init__(self, model: Qwen3, cfg: AdaptConfig):
-        quantized = [n for n, m in model.layers.named_modules() if "quantized" in type(m).__module__]
-        if quantized:
-            raise ValueError("adapt.mode 'full' trains float weights; this draft's layers are int8 "
-                             "(model.quantize: int8). Use quantize: none, or adapt.mode: lora")
+        if model.weight_format != "none":
+            raise ValueError(f"adapt.mode 'full' trains float weights; this draft's layers are quantized "
+                             f"(model.quantize: {model.weight_format}). Use quantize: none, or adapt.mode: lora")
         super().__init__(model, cfg)
         # The worker's own fp32 copy of the layers: training never touches the modules serving reads.
         self.train_layers = copy.deepcopy(model.layers).float().requires_grad_(True)

@@ -43,7 +43,7 @@ class AdapterBank:
 
 
 class _FrozenInt8Linear(torch.autograd.Function):
-    """y = base(x) through a dynamic int8 Linear, whose op has no derivative: the backward multiplies by the
+    """y = base(x) through a quantized Linear (dynamic int8 or weight-only), whose op has no derivative: the backward multiplies by the
     dequantized weight, built for that one call (one layer's float weight alive at a time)."""
 
     @staticmethod
@@ -54,7 +54,8 @@ class _FrozenInt8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        weight = ctx.base.weight().dequantize()  # [out, in]
+        weights = getattr(ctx.base, "dequantized", None)  # weight-only maps (kernels/quantized.py)
+        weight = weights() if weights is not None else ctx.base.weight().dequantize()  # [out, in]
         return grad @ weight.to(grad.dtype), None
 
 

@@ -149,6 +149,9 @@ class Segment:
     positions: torch.Tensor  # [n]
     mask: torch.Tensor  # [n, write_start + n] bool over the cache's slots, True = may attend
     write_start: int
+    # Set by a forward with row-invariant attention: per row, the slots it attends, as (count, None) for the first
+    # `count` slots or (count, slot ids) for a tree row's scattered ancestors (visible_slots).
+    row_slots: list[tuple[int, torch.Tensor | None]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -204,12 +207,42 @@ class Attention(nn.Module):
             keys, values = seg.cache.keys[layer], seg.cache.values[layer]  # [kv_heads, max_len, hd]
             keys[:, start:end] = k[:, offset:offset + n]
             values[:, start:end] = v[:, offset:offset + n]
-            outputs.append(F.scaled_dot_product_attention(
-                q[:, offset:offset + n].unsqueeze(0), keys[:, :end].unsqueeze(0), values[:, :end].unsqueeze(0),
-                attn_mask=seg.mask, enable_gqa=True)[0])  # [heads, n, hd]
+            if seg.row_slots is not None:
+                outputs.append(attend_row_by_row(q[:, offset:offset + n], keys, values, seg.row_slots))
+            else:
+                outputs.append(F.scaled_dot_product_attention(
+                    q[:, offset:offset + n].unsqueeze(0), keys[:, :end].unsqueeze(0), values[:, :end].unsqueeze(0),
+                    attn_mask=seg.mask, enable_gqa=True)[0])  # [heads, n, hd]
             offset += n
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)  # [heads, T, hd]
         return project(self.o_proj, out.transpose(0, 1).reshape(t, -1))
+
+
+ROW_INVARIANT_MAX_ROWS = 64  # segments up to this many rows (decodes, verifies) attend row by row when asked
+
+
+def visible_slots(mask: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
+    """mask [n, slots] -> per row (count, None) when the row attends exactly its first `count` slots (a decode, a
+    chain), else (count, the slot ids it attends, increasing) (a tree row: the prefix and its ancestors)."""
+    counts = mask.sum(dim=1)
+    leading = mask.int().cumprod(dim=1).sum(dim=1)
+    return [(int(c), None if int(c) == int(lead) else mask[i].nonzero()[:, 0])
+            for i, (c, lead) in enumerate(zip(counts.tolist(), leading.tolist()))]
+
+
+def attend_row_by_row(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      row_slots: list[tuple[int, torch.Tensor | None]]) -> torch.Tensor:
+    """Row-invariant attention: q [heads, n, hd] over one cache layer's keys/values [kv_heads, slots, hd], each row
+    a one-query attention over exactly the slots it sees, in slot order. A one-token decode is the same call, so a
+    verify row gets bitwise the output the decode of that token would (a many-row SDPA rounds differently: its
+    kernel blocks queries and keys by the call's shape). Returns [heads, n, hd]."""
+    rows = []
+    for i, (count, slots) in enumerate(row_slots):
+        k = keys[:, :count] if slots is None else keys[:, slots]
+        v = values[:, :count] if slots is None else values[:, slots]
+        rows.append(F.scaled_dot_product_attention(q[:, i:i + 1].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                                   enable_gqa=True)[0])
+    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
 
 
 class MLP(nn.Module):
@@ -245,6 +278,12 @@ class Qwen3(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.pad_single_token = False  # see forward; set by calibrate_single_token_padding
+        self.head: nn.Module | None = None  # a quantized LM head for full_logits (model/weight_formats.py)
+        self.weight_format = "none"  # model.quantize as resolved at load
+        self.weight_format_seconds: dict[str, float] = {}  # what `auto` measured per candidate
+        # Decode and verify segments attend row by row (attend_row_by_row), so a verify's logits are bitwise the
+        # decodes' when every linear map is row-invariant too (model/weight_formats.py sets it for such formats).
+        self.row_invariant_attention = False
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -289,6 +328,8 @@ class Qwen3(nn.Module):
             if seg.write_start + seg.num_tokens > seg.cache.max_len:
                 raise ValueError(f"KV cache overflow: {seg.write_start + seg.num_tokens} > {seg.cache.max_len} slots")
             seg.mask = seg.mask.to(device)
+            if self.row_invariant_attention and seg.num_tokens <= ROW_INVARIANT_MAX_ROWS:
+                seg.row_slots = visible_slots(seg.mask)
         input_ids = torch.cat([seg.input_ids for seg in segments]).to(device)
         positions = torch.cat([seg.positions for seg in segments]).to(device)
         x = self.embed_tokens(input_ids)
@@ -329,7 +370,9 @@ class Qwen3(nn.Module):
 
     @torch.inference_mode()
     def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [n, hidden] -> logits [n, vocab] float32."""
+        """hidden: [n, hidden] -> logits [n, vocab] float32 (through the quantized head when the format has one)."""
+        if self.head is not None:
+            return self.head(hidden).float()
         return head_product(hidden, self.head_weight).float()
 
 
@@ -376,6 +419,7 @@ def quantize_int8(model: Qwen3) -> Qwen3:
         warnings.filterwarnings("ignore", message=".*quantize.*deprecated", category=UserWarning)
         warnings.filterwarnings("ignore", category=DeprecationWarning)
         torch.ao.quantization.quantize_dynamic(model.layers, {nn.Linear}, dtype=torch.qint8, inplace=True)
+    model.weight_format = "int8"
     return model
 
 

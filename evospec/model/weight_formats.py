@@ -1,0 +1,191 @@
+"""The weight format a model runs in on this machine (`model.quantize`), chosen at load by measurement under `auto`.
+
+Formats (docs/models.md, "Weight formats"; quality per format: docs/results.md, "Weight formats: speed and quality"):
+- `none`: dense weights in the model's dtype (`torch.nn.functional.linear` through kernels/linear.py).
+- `int8`: torch dynamic quantization of the decoder layers (int8 weights and activations, float32 model; the draft's
+  format: its output is only proposed, and its kernels are not row-invariant, so never the target's).
+- `int8-weight-only`: int8 weights per output channel, activations in the model's dtype (kernels/quantized.py).
+- `int4-weight-only`: int4 weights in groups of 32 (int8 where torch's kernel cannot take the shape, and for the
+  projections the source GGUF itself keeps above 4 bits: Q4_K_M keeps half the layers' v and down projections and
+  the LM head in Q6_K); activations in the model's dtype.
+- `auto`: on a CUDA device, `none`; on a CPU, the faster of the row-invariant weight-only formats on this machine,
+  measured at load on the model's own projection shapes (random weights; about a second). `int4-weight-only` is a
+  candidate only when the model was converted from a 4-bit GGUF (its `provenance.json`), so `auto` never serves a
+  model below the precision it was published in. The embedded tiny pair stays `none` (the float32 reference).
+
+The weight-only formats quantize the decoder's projections and the LM head (a separate int8 copy for `full_logits`;
+the dense head stays for the draft's pruned vocabularies). They are row-invariant (kernels/quantized.py), which keeps
+a verify forward's logits bitwise equal to the 1-token decode forwards', so greedy speculation is the target's own.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from evospec.kernels.linear import linear
+from evospec.kernels.quantized import Int8WeightLinear, quantized_linear
+from evospec.model.qwen3 import Qwen3, Qwen3Config, quantize_int8
+
+log = logging.getLogger(__name__)
+
+WEIGHT_ONLY = ("int8-weight-only", "int4-weight-only")
+ROW_INVARIANT = {"none": False, "int8": False, "int8-weight-only": True, "int4-weight-only": True}
+BITS = {"int8-weight-only": 8, "int4-weight-only": 4}
+# GGUF module names -> ours, for the projections a source GGUF may keep at higher precision than its file type.
+GGUF_PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                    "ffn_down": "mlp.down_proj"}
+FOUR_BIT_GGUF_TYPES = {"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS"}
+
+
+class WeightFormatError(ValueError):
+    """A format this machine or model cannot run: one line naming `model.quantize` and the machine's ISA."""
+
+
+def projection_shapes(cfg: Qwen3Config) -> list[tuple[int, int]]:
+    """[out, in] of the seven projections of one decoder layer."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    return [(cfg.num_attention_heads * hd, h), (cfg.num_key_value_heads * hd, h), (cfg.num_key_value_heads * hd, h),
+            (h, cfg.num_attention_heads * hd), (cfg.intermediate_size, h), (cfg.intermediate_size, h),
+            (h, cfg.intermediate_size)]
+
+
+def source_gguf(folder: Path) -> Path | None:
+    """The GGUF file a fetched model was converted from (its provenance.json, beside the folder's store), or None."""
+    provenance = folder / "provenance.json"
+    if not provenance.exists():
+        return None
+    name = json.loads(provenance.read_text()).get("gguf")
+    path = folder.parent / "gguf" / name if name else None
+    return path if path is not None and path.exists() else None
+
+
+def gguf_types(gguf: Path) -> dict[str, str]:
+    """{our module name ("layers.3.mlp.down_proj", "lm_head"): GGUF tensor type ("Q4_K", "Q6_K", ...)}."""
+    from gguf import GGUFReader
+
+    types = {}
+    for tensor in GGUFReader(gguf).tensors:
+        parts = tensor.name.split(".")
+        if parts[0] == "blk" and parts[2] in GGUF_PROJECTIONS and parts[-1] == "weight":
+            types[f"layers.{parts[1]}.{GGUF_PROJECTIONS[parts[2]]}"] = tensor.tensor_type.name
+        elif tensor.name == "output.weight":
+            types["lm_head"] = tensor.tensor_type.name
+    return types
+
+
+def is_four_bit_source(folder: Path | None) -> bool:
+    """Whether the model was converted from a GGUF whose projections are mostly 4-bit (Q4_K_M, Q4_0, ...)."""
+    gguf = source_gguf(folder) if folder is not None else None
+    if gguf is None:
+        return False
+    types = list(gguf_types(gguf).values())
+    return sum(t in FOUR_BIT_GGUF_TYPES for t in types) * 2 > len(types)
+
+
+def check_runs_here(fmt: str, device: torch.device, dtype: torch.dtype) -> None:
+    """WeightFormatError unless `fmt` runs on this device: the weight-only kernels are torch's CPU ones."""
+    if fmt not in WEIGHT_ONLY:
+        return
+    isa = torch.backends.cpu.get_cpu_capability()
+    if device.type != "cpu":
+        raise WeightFormatError(f"model.quantize: {fmt} runs on the CPU only (device {device}); use none or auto")
+    try:
+        probe = nn.Linear(128, 16, bias=False)
+        quantized_linear(probe, BITS[fmt], dtype)(torch.zeros(2, 128, dtype=dtype))
+    except (RuntimeError, NotImplementedError) as err:
+        raise WeightFormatError(f"model.quantize: {fmt} is not supported by torch on this CPU (ISA {isa}, "
+                                f"dtype {dtype}): {str(err).splitlines()[0]}") from err
+
+
+def quantize_weights(model: Qwen3, fmt: str, keep_8bit: set[str] = frozenset()) -> Qwen3:
+    """Replace the decoder's projections by weight-only quantized maps of `fmt` (in the model's dtype), and give
+    `full_logits` an int8 head. keep_8bit: module names ("layers.3.mlp.down_proj", "lm_head") kept at int8 under
+    int4 (those the source GGUF keeps above 4 bits)."""
+    dtype = model.embed_tokens.weight.dtype
+    bits = BITS[fmt]
+    for layer_index, layer in enumerate(model.layers):
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if type(child) is not nn.Linear:
+                    continue
+                qualified = f"layers.{layer_index}.{'self_attn' if parent is layer.self_attn else 'mlp'}.{name}"
+                setattr(parent, name, quantized_linear(child, 8 if qualified in keep_8bit else bits, dtype))
+    model.head = Int8WeightLinear(model.head_weight, None, dtype)
+    model.weight_format = fmt
+    model.row_invariant_attention = True
+    return model
+
+
+def higher_precision_modules(folder: Path | None) -> set[str]:
+    """Module names the source GGUF keeps above 4 bits (empty without a GGUF source)."""
+    gguf = source_gguf(folder) if folder is not None else None
+    if gguf is None:
+        return set()
+    return {name for name, kind in gguf_types(gguf).items() if kind not in FOUR_BIT_GGUF_TYPES}
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    fn()  # the first call of a shape chooses and warms its kernel up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@torch.inference_mode()
+def format_seconds(cfg: Qwen3Config, fmt: str, dtype: torch.dtype, rows: tuple[int, ...] = (1, 4),
+                   repeats: int = 5) -> float:
+    """Estimated seconds of the decoder's projections for one forward per row count in `rows`, summed (a decode
+    step and a verify step), in format `fmt`: each distinct projection shape timed once with random weights, times
+    the number of layers."""
+    total = 0.0
+    for out_features, in_features in projection_shapes(cfg):
+        layer = nn.Linear(in_features, out_features, bias=False, dtype=torch.float32)
+        nn.init.normal_(layer.weight, std=0.02)
+        if fmt == "none":
+            weight = layer.weight.to(dtype)
+            run = lambda x, w=weight: linear(x, w)  # noqa: E731
+        else:
+            run = quantized_linear(layer, BITS[fmt], dtype)
+        for n in rows:
+            x = torch.randn(n, in_features, dtype=dtype)
+            total += _best_seconds(lambda: run(x), repeats)
+    return total * cfg.num_hidden_layers
+
+
+def choose_format(cfg: Qwen3Config, dtype: torch.dtype, four_bit_source: bool) -> tuple[str, dict[str, float]]:
+    """`auto` on a CPU: the fastest row-invariant weight-only format, measured here. Returns it and the seconds
+    measured per candidate (logged, and reported by Info)."""
+    candidates = ["int8-weight-only"] + (["int4-weight-only"] if four_bit_source else [])
+    seconds = {fmt: format_seconds(cfg, fmt, dtype) for fmt in candidates}
+    return min(seconds, key=seconds.get), seconds
+
+
+def apply_weight_format(model: Qwen3, fmt: str, folder: Path | None, embedded: bool = False) -> Qwen3:
+    """Load-time step: put `model` (dense, loaded in its dtype) into format `fmt` ("auto" resolved here)."""
+    device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+    measured: dict[str, float] = {}
+    if fmt == "auto":
+        if device.type != "cpu" or embedded:
+            fmt = "none"
+        else:
+            fmt, measured = choose_format(model.cfg, dtype, is_four_bit_source(folder))
+            log.info("weight format auto -> %s (projection seconds per decode + 4-row verify, measured here: %s)",
+                     fmt, {k: round(v, 4) for k, v in measured.items()})
+    check_runs_here(fmt, device, dtype)
+    model.weight_format_seconds = measured
+    if fmt == "int8":
+        return quantize_int8(model)
+    if fmt in WEIGHT_ONLY:
+        return quantize_weights(model, fmt, higher_precision_modules(folder) if fmt == "int4-weight-only" else set())
+    model.weight_format = "none"
+    return model
+
