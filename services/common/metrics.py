@@ -189,9 +189,9 @@ class HttpMetrics:
         self.adapter_version = Gauge("evospec:adapter_version", "Adapter version a draft replica serves with (0 = "
                                      "the base model), read from one draft replica at scrape time.",
                                      labelnames=("model_name", "mode"), registry=self.registry)
-        self.engine_info = Gauge("evospec:engine_info", "1, labelled with what the target computes in (dtype auto "
-                                 "chooses per machine) and the replica's CPU.",
-                                 labelnames=("model_name", "dtype", "cpu"), registry=self.registry)
+        self.engine_info = Gauge("evospec:engine_info", "1, labelled with what the target computes in (dtype and "
+                                 "weight format: auto chooses per machine) and the replica's CPU.",
+                                 labelnames=("model_name", "dtype", "weights", "cpu"), registry=self.registry)
         self.model_name = model_name
 
     async def render(self, replica, adapt_stats: Callable[[], Awaitable[dict]] | None = None,
@@ -201,7 +201,8 @@ class HttpMetrics:
         metrics still count)."""
         from prometheus_client import generate_latest
         scheduler = replica.scheduler
-        self.engine_info.labels(model_name=self.model_name, dtype=replica.dtype, cpu=cpu_description()).set(1)
+        self.engine_info.labels(model_name=self.model_name, dtype=replica.dtype, weights=replica.weights,
+                                cpu=cpu_description()).set(1)
         self.running.set(scheduler.num_running())
         self.waiting.set(scheduler.num_waiting())
         for reason, count in scheduler.num_without_draft().items():

@@ -104,6 +104,7 @@ class ServerInfo:
     max_prompt_bytes: int  # prompt text over this many bytes is refused before tokenization
     target_dtype: str  # what the target computes in (dtype auto chooses per machine: evospec/loading.py)
     cpu: str  # this replica's CPU model and ISA
+    target_weights: str  # the target's weight format (model.quantize auto measures per machine)
 
 
 def api_tokens(public: PublicApiConfig) -> tuple[str, ...]:
@@ -136,6 +137,7 @@ class TargetReplica:
     static_vocab_sha: str
     device: str
     dtype: str  # "bfloat16" | "float32" | ...: dtype auto chooses per machine (evospec/loading.py)
+    weights: str  # "int4-weight-only" | "none" | ...: model.quantize auto measures per machine
 
     @classmethod
     def serving(cls, scheduler: Scheduler, static_vocab_sha: str) -> "TargetReplica":
@@ -145,7 +147,8 @@ class TargetReplica:
         return cls(scheduler, SchedulerThread(scheduler).start(), decoder.max_model_len,
                    0 if static_ids is None else int(static_ids.shape[0]), static_vocab_sha,
                    str(decoder.target.device),
-                   str(decoder.target.model.embed_tokens.weight.dtype).removeprefix("torch."))
+                   str(decoder.target.model.embed_tokens.weight.dtype).removeprefix("torch."),
+                   decoder.target.model.weight_format)
 
 
 class MetricsSink(Protocol):
@@ -221,7 +224,7 @@ class TargetServer:
                           default_method=self.default_spec.method, max_model_len=replica.max_model_len,
                           static_vocab_size=replica.static_vocab_size, static_vocab_sha=replica.static_vocab_sha,
                           device=replica.device, max_prompt_bytes=self.max_prompt_bytes or 0,
-                          target_dtype=replica.dtype, cpu=cpu_description())
+                          target_dtype=replica.dtype, cpu=cpu_description(), target_weights=replica.weights)
 
     def check_prompt_size(self, prompt: Prompt) -> None:
         """Refuse, without tokenizing, text that cannot fit the context (a prompt of many megabytes would hold a

@@ -45,10 +45,12 @@ def test_the_choice_is_in_info_and_metrics(tiny_draft_replica):
     try:
         info = info_to_proto(asyncio.run(server.info()))
         assert info.target_dtype == "float32"  # the embedded tiny pair stays at the reference numerics under auto
+        assert info.target_weights == "none"  # and dense (model.quantize auto)
         assert info.cpu == cpu_description() and torch.backends.cpu.get_cpu_capability() in info.cpu
         text = asyncio.run(HttpMetrics("tiny").render(server.replica)).decode()
         values = prometheus_values(text)
-        assert any(k.startswith("evospec:engine_info") and f"dtype={info.target_dtype}" in k and v == 1
+        assert any(k.startswith("evospec:engine_info") and f"dtype={info.target_dtype}" in k
+                   and "weights=none" in k and v == 1
                    for k, v in values.items()), text
     finally:
         server.close()

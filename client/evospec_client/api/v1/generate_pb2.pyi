@@ -212,7 +212,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "draft_model", "target_model", "methods", "default_method", "max_model_len", "static_vocab_size", "static_vocab_sha", "device", "max_prompt_bytes", "target_dtype", "cpu")
+    __slots__ = ("version", "draft_model", "target_model", "methods", "default_method", "max_model_len", "static_vocab_size", "static_vocab_sha", "device", "max_prompt_bytes", "target_dtype", "cpu", "target_weights")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +225,7 @@ class InfoResponse(_message.Message):
     MAX_PROMPT_BYTES_FIELD_NUMBER: _ClassVar[int]
     TARGET_DTYPE_FIELD_NUMBER: _ClassVar[int]
     CPU_FIELD_NUMBER: _ClassVar[int]
+    TARGET_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     version: str
     draft_model: str
     target_model: str
@@ -237,4 +238,5 @@ class InfoResponse(_message.Message):
     max_prompt_bytes: int
     target_dtype: str
     cpu: str
-    def __init__(self, version: _Optional[str] = ..., draft_model: _Optional[str] = ..., target_model: _Optional[str] = ..., methods: _Optional[_Iterable[str]] = ..., default_method: _Optional[str] = ..., max_model_len: _Optional[int] = ..., static_vocab_size: _Optional[int] = ..., static_vocab_sha: _Optional[str] = ..., device: _Optional[str] = ..., max_prompt_bytes: _Optional[int] = ..., target_dtype: _Optional[str] = ..., cpu: _Optional[str] = ...) -> None: ...
+    target_weights: str
+    def __init__(self, version: _Optional[str] = ..., draft_model: _Optional[str] = ..., target_model: _Optional[str] = ..., methods: _Optional[_Iterable[str]] = ..., default_method: _Optional[str] = ..., max_model_len: _Optional[int] = ..., static_vocab_size: _Optional[int] = ..., static_vocab_sha: _Optional[str] = ..., device: _Optional[str] = ..., max_prompt_bytes: _Optional[int] = ..., target_dtype: _Optional[str] = ..., cpu: _Optional[str] = ..., target_weights: _Optional[str] = ...) -> None: ...
