@@ -127,7 +127,8 @@ def load_model(cfg: ModelConfig, role: str) -> tuple[Qwen3, Path]:
     # The embedded tiny pair (8M parameters: no speed to win) stays in float32 under auto, the reference numerics its
     # token-for-token tests compare against, whatever the CPU.
     dtype = "float32" if cfg.path is None and cfg.dtype == "auto" else cfg.dtype
-    model = load_qwen3_folder(folder, dtype, cfg.device, cfg.quantize, embedded=cfg.path is None)
+    model = load_qwen3_folder(folder, dtype, cfg.device, cfg.quantize, embedded=cfg.path is None,
+                              verifies=role == "target")
     weights = model.embed_tokens.weight
     log.info("%s %s: %s on %s (dtype %s, weights %s%s)", role, folder.name, weights.dtype, weights.device, cfg.dtype,
              model.weight_format, f"; CPU {cpu_description()}" if weights.device.type == "cpu" else "")
@@ -135,12 +136,12 @@ def load_model(cfg: ModelConfig, role: str) -> tuple[Qwen3, Path]:
 
 
 def load_qwen3_folder(folder: Path, dtype: str = "auto", device: str = "auto", quantize: str = "none",
-                      embedded: bool = False) -> Qwen3:
+                      embedded: bool = False, verifies: bool = True) -> Qwen3:
     """Load a model folder in `dtype`, put it in weight format `quantize` (model/weight_formats.py; `auto` measured
     here) and calibrate single-token padding for the format it runs in."""
     dev = resolve_device(device)
     model = load_qwen3(folder, dev, resolve_dtype("float32" if quantize == "int8" else dtype, dev))
-    model = apply_weight_format(model, quantize, folder, embedded=embedded)
+    model = apply_weight_format(model, quantize, folder, embedded=embedded, verifies=verifies)
     calibrate_single_token_padding(model)
     return model
 

@@ -279,7 +279,7 @@ def cmd_vocab(args) -> int:
 
 
 BENCH_SUITES = ("v1", "grid", "misses", "adapt", "random", "decoupled", "real", "concurrency", "fronts",
-                "service")
+                "service", "peers", "formats")
 
 
 def own_main(argv: list[str]) -> Callable[[list[str]], int | None] | None:
@@ -307,6 +307,10 @@ def own_main(argv: list[str]) -> Callable[[list[str]], int | None] | None:
             from evospec.bench.fronts import main
         case ["bench", "service"]:
             from evospec.bench.service import main
+        case ["bench", "formats"]:
+            from evospec.bench.formats import main
+        case ["bench", "peers"]:
+            from evospec.bench.peers import main
         case ["loadtest", *_]:
             from evospec.loadtest.run import main
         case ["loadtest-sweep", *_]:
@@ -398,7 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
                                          "random, decoupled, real (the fetched real pair), concurrency (batching "
                                          "under load), fronts (HTTP vs gRPC), service (what a user gets: the shipped "
                                          "YAML through the public API, realistic prompts, concurrency, vs plain "
-                                         "decoding and a fixed-depth oracle); "
+                                         "decoding and a fixed-depth oracle), peers (llama.cpp built from its "
+                                         "PyPI sdist, plain and speculative, vs our ar and evospec), formats "
+                                         "(speed and quality of each weight format vs float32); "
                                          "`evospec bench SUITE --help`")
     bench.add_argument("suite", choices=BENCH_SUITES)
     sub.add_parser("loadtest", help="async load generator against a running service (vllm bench serve style)")

@@ -34,7 +34,6 @@ from evospec.model.qwen3 import Qwen3, Qwen3Config, quantize_int8
 log = logging.getLogger(__name__)
 
 WEIGHT_ONLY = ("int8-weight-only", "int4-weight-only")
-ROW_INVARIANT = {"none": False, "int8": False, "int8-weight-only": True, "int4-weight-only": True}
 BITS = {"int8-weight-only": 8, "int4-weight-only": 4}
 # GGUF module names -> ours, for the projections a source GGUF may keep at higher precision than its file type.
 GGUF_PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -118,7 +117,6 @@ def quantize_weights(model: Qwen3, fmt: str, keep_8bit: set[str] = frozenset()) 
                 setattr(parent, name, quantized_linear(child, 8 if qualified in keep_8bit else bits, dtype))
     model.head = Int8WeightLinear(model.head_weight, None, dtype)
     model.weight_format = fmt
-    model.row_invariant_attention = True
     return model
 
 
@@ -169,8 +167,12 @@ def choose_format(cfg: Qwen3Config, dtype: torch.dtype, four_bit_source: bool) -
     return min(seconds, key=seconds.get), seconds
 
 
-def apply_weight_format(model: Qwen3, fmt: str, folder: Path | None, embedded: bool = False) -> Qwen3:
-    """Load-time step: put `model` (dense, loaded in its dtype) into format `fmt` ("auto" resolved here)."""
+def apply_weight_format(model: Qwen3, fmt: str, folder: Path | None, embedded: bool = False,
+                        verifies: bool = True) -> Qwen3:
+    """Load-time step: put `model` (dense, loaded in its dtype) into format `fmt` ("auto" resolved here).
+    verifies: the model is a target, whose verify forwards must round as its decodes do: in a row-invariant format
+    its decode and verify segments also attend row by row (Qwen3.row_invariant_attention). A draft's forwards are
+    proposals, so it keeps the faster many-row attention."""
     device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
     measured: dict[str, float] = {}
     if fmt == "auto":
@@ -185,7 +187,9 @@ def apply_weight_format(model: Qwen3, fmt: str, folder: Path | None, embedded: b
     if fmt == "int8":
         return quantize_int8(model)
     if fmt in WEIGHT_ONLY:
-        return quantize_weights(model, fmt, higher_precision_modules(folder) if fmt == "int4-weight-only" else set())
+        model = quantize_weights(model, fmt, higher_precision_modules(folder) if fmt == "int4-weight-only" else set())
+        model.row_invariant_attention = verifies
+        return model
     model.weight_format = "none"
     return model
 
