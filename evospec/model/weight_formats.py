@@ -65,7 +65,11 @@ def source_gguf(folder: Path) -> Path | None:
 
 
 def gguf_types(gguf: Path) -> dict[str, str]:
-    """{our module name ("layers.3.mlp.down_proj", "lm_head"): GGUF tensor type ("Q4_K", "Q6_K", ...)}."""
+    """{our module name ("layers.3.mlp.down_proj", "lm_head"): GGUF tensor type ("Q4_K", "Q6_K", ...)}. Parsing a
+    GGUF takes ~14 s (its tokenizer metadata), so the answer is kept beside it (`<file>.types.json`, one per file)."""
+    saved = gguf.with_name(gguf.name + ".types.json")
+    if saved.exists() and saved.stat().st_mtime >= gguf.stat().st_mtime:
+        return json.loads(saved.read_text())
     from gguf import GGUFReader
 
     types = {}
@@ -75,6 +79,10 @@ def gguf_types(gguf: Path) -> dict[str, str]:
             types[f"layers.{parts[1]}.{GGUF_PROJECTIONS[parts[2]]}"] = tensor.tensor_type.name
         elif tensor.name == "output.weight":
             types["lm_head"] = tensor.tensor_type.name
+    try:
+        saved.write_text(json.dumps(types))
+    except OSError:  # a read-only store: parse again next time
+        pass
     return types
 
 

@@ -113,3 +113,23 @@ def test_int8_needs_float32_on_cpu():
     with pytest.raises(ValueError, match="float32"):
         ModelConfig(dtype="bfloat16", quantize="int8")
     assert ModelConfig(quantize="int8").dtype == "auto"
+
+
+@pytest.mark.parametrize("weight_format", ["int8-weight-only", "int4-weight-only"])
+def test_greedy_identical_in_bf16_weight_formats(weight_format, verification):
+    """bf16 (logits rounded coarsely, so near-ties are common): a target in a row-invariant weight format, verifying
+    chains and trees, gives ar's tokens exactly over many prompts (kernels/quantized.py, attend_row_by_row)."""
+    from evospec.model.weight_formats import apply_weight_format
+    target, draft = random_pair(vocab=256, seed=11, eos=1, hidden=128, target_layers=3)
+    target = apply_weight_format(target.to(torch.bfloat16), weight_format, None)
+    decoder = SpeculativeDecoder(target, draft, static_ids=torch.arange(256))
+    sampling = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    helped = 0
+    for seed in range(6):
+        prompt = torch.randint(2, 256, (5 + 7 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        ref = run(decoder, prompt, sampling, SpecParams(method="ar"))
+        for tree in TREES[1:3]:
+            spec = run(decoder, prompt, sampling, SpecParams(method="sd", tree=tree))
+            assert spec.output_ids == ref.output_ids, (seed, tree)
+            helped += spec.stats.steps < ref.stats.steps
+    assert helped  # the draft was accepted somewhere: verify forwards of several rows really ran
