@@ -12,6 +12,8 @@ Formats (docs/models.md, "Weight formats"; quality per format: docs/results.md, 
   measured at load on the model's own projection shapes (random weights; about a second). `int4-weight-only` is a
   candidate only when the model was converted from a 4-bit GGUF (its `provenance.json`), so `auto` never serves a
   model below the precision it was published in. The embedded tiny pair stays `none` (the float32 reference).
+  Where dense weights time faster than every weight-only format (slow weight-only kernels in float32 on a CPU
+  without native bf16), `auto` gives `none`, with a warning: greedy identity is then not bitwise.
 
 The weight-only formats quantize the decoder's projections and the LM head (a separate int8 copy for `full_logits`;
 the dense head stays for the draft's pruned vocabularies). They are row-invariant (kernels/quantized.py), which keeps
@@ -168,11 +170,19 @@ def format_seconds(cfg: Qwen3Config, fmt: str, dtype: torch.dtype, rows: tuple[i
 
 
 def choose_format(cfg: Qwen3Config, dtype: torch.dtype, four_bit_source: bool) -> tuple[str, dict[str, float]]:
-    """`auto` on a CPU: the fastest row-invariant weight-only format, measured here. Returns it and the seconds
-    measured per candidate (logged, and reported by Info)."""
+    """`auto` on a CPU: the fastest row-invariant weight-only format measured here, unless dense weights are faster
+    still (a CPU whose weight-only kernels are slow in this dtype, e.g. float32 activations without native bf16:
+    then `none`, and greedy speculation is no longer bitwise the target's; logged). Returns the choice and the
+    seconds measured per candidate (logged)."""
     candidates = ["int8-weight-only"] + (["int4-weight-only"] if four_bit_source else [])
-    seconds = {fmt: format_seconds(cfg, fmt, dtype) for fmt in candidates}
-    return min(seconds, key=seconds.get), seconds
+    seconds = {fmt: format_seconds(cfg, fmt, dtype) for fmt in [*candidates, "none"]}
+    best = min(candidates, key=seconds.get)
+    if seconds["none"] < seconds[best]:
+        log.warning("weight format auto -> none: dense %s weights measured faster than %s on this CPU (%.3f vs %.3f "
+                    "s); verify forwards are then not row-invariant, so greedy speculation can leave `ar` at a "
+                    "near-tie (docs/models.md, \"Weight formats\")", dtype, best, seconds["none"], seconds[best])
+        return "none", seconds
+    return best, seconds
 
 
 def apply_weight_format(model: Qwen3, fmt: str, folder: Path | None, embedded: bool = False,

@@ -89,9 +89,12 @@ def test_auto_keeps_the_embedded_pair_dense_and_measures_otherwise():
     cfg = tiny_config(vocab=512, hidden=128, layers=1, eos=1)
     assert apply_weight_format(random_qwen3(cfg, seed=0), "auto", None, embedded=True).weight_format == "none"
     model = apply_weight_format(random_qwen3(cfg, seed=0), "auto", None)
-    # No GGUF source: int4 is not a candidate, so auto measures int8-weight-only alone.
-    assert model.weight_format == "int8-weight-only" and set(model.weight_format_seconds) == {"int8-weight-only"}
-    assert isinstance(model.layers[0].mlp.down_proj, Int8WeightLinear) and model.head is not None
+    # No GGUF source: int4 is not a candidate; auto times int8-weight-only against dense and keeps the faster.
+    assert set(model.weight_format_seconds) == {"int8-weight-only", "none"}
+    faster = min(model.weight_format_seconds, key=model.weight_format_seconds.get)
+    assert model.weight_format == faster
+    if faster == "int8-weight-only":
+        assert isinstance(model.layers[0].mlp.down_proj, Int8WeightLinear) and model.head is not None
 
 
 def test_format_seconds_counts_every_layer():
