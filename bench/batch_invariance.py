@@ -28,7 +28,7 @@ from evospec.bench.harness import run_ms
 from evospec.kernels import linear
 from evospec.kernels.tree import chain_then_tree_mask
 from evospec.model.qwen3 import Qwen3Config
-from evospec.model.weight_formats import WEIGHT_ONLY, apply_weight_format
+from evospec.model.weight_formats import ROW_INVARIANT, apply_weight_format
 from evospec.testing import random_qwen3
 
 HIDDEN, MLP, HEAD_SLICE = 1536, 8960, 151936 // 8
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{name} whole forward ({args.layers} layers, full head, linear order {order}): {k} rows vs "
                       f"{k} 1-row decodes, max |Δ logit| = {delta:.3g}" + (" (bitwise equal)" if delta == 0 else ""),
                       flush=True)
-        for weight_format in WEIGHT_ONLY:
+        for weight_format in ROW_INVARIANT:
             deltas = forward_invariance(dtype, args.layers, weight_format=weight_format)
             for k, delta in deltas.items():
                 print(f"{name} whole forward ({args.layers} layers, {weight_format}): {k} rows vs {k} 1-row decodes, "

@@ -34,7 +34,7 @@ from evospec.loading import cpu_description, load_qwen3_folder, named_pair_folde
 from evospec.model.qwen3 import Qwen3, forward_seconds
 from evospec.tokenizer import chat_prompt_ids, load_tokenizer
 
-FORMATS = ("float32", "none", "int8-weight-only", "int4-weight-only")
+FORMATS = ("float32", "none", "int8-weight-only", "int4-weight-only", "int8-per-token")
 
 
 def load_format(folder: Path, fmt: str) -> Qwen3:
@@ -140,7 +140,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--pair", default="qwen2.5-coder")
     ap.add_argument("--role", default="target", choices=["target", "draft"])
     ap.add_argument("--formats", nargs="+", default=list(FORMATS),
-                    choices=["float32", "none", "int8", "int8-weight-only", "int4-weight-only", "auto"])
+                    choices=["float32", "none", "int8", "int8-weight-only", "int4-weight-only", "int8-per-token", "auto"])
     ap.add_argument("--prompts", type=int, default=6, help="prompts per set (medical-rag, code)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--ppl-docs", type=int, default=12)

@@ -8,6 +8,9 @@ Formats (docs/models.md, "Weight formats"; quality per format: docs/results.md, 
 - `int4-weight-only`: int4 weights in groups of 32 (int8 where torch's kernel cannot take the shape, and for the
   projections the source GGUF itself keeps above 4 bits: Q4_K_M keeps half the layers' v and down projections and
   the LM head in Q6_K); activations in the model's dtype.
+- `int8-per-token`: int8 weights per output channel times int8 activations quantized per token (W8A8 dynamic
+  per-token, `torch._int_mm`): exactly row-invariant (integer sums), and a k-row verify costs about what a 1-row
+  decode does (weight-only kernels loop over rows). Opt-in: +1.7% perplexity on the real target, above int4's.
 - `auto`: on a CUDA device, `none`; on a CPU, the faster of the row-invariant weight-only formats on this machine,
   measured at load on the model's own projection shapes (random weights; about a second). `int4-weight-only` is a
   candidate only when the model was converted from a 4-bit GGUF (its `provenance.json`), so `auto` never serves a
@@ -30,12 +33,13 @@ import torch
 from torch import nn
 
 from evospec.kernels.linear import linear
-from evospec.kernels.quantized import Int8WeightLinear, quantized_linear
+from evospec.kernels.quantized import Int8PerTokenLinear, Int8WeightLinear, quantized_linear
 from evospec.model.qwen3 import Qwen3, Qwen3Config, quantize_int8
 
 log = logging.getLogger(__name__)
 
 WEIGHT_ONLY = ("int8-weight-only", "int4-weight-only")
+ROW_INVARIANT = (*WEIGHT_ONLY, "int8-per-token")  # the formats of kernels/quantized.py: CPU only, row-invariant
 BITS = {"int8-weight-only": 8, "int4-weight-only": 4}
 # GGUF module names -> ours, for the projections a source GGUF may keep at higher precision than its file type.
 GGUF_PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -99,33 +103,40 @@ def is_four_bit_source(folder: Path | None) -> bool:
 
 def check_runs_here(fmt: str, device: torch.device, dtype: torch.dtype) -> None:
     """WeightFormatError unless `fmt` runs on this device: the weight-only kernels are torch's CPU ones."""
-    if fmt not in WEIGHT_ONLY:
+    if fmt not in ROW_INVARIANT:
         return
     isa = torch.backends.cpu.get_cpu_capability()
     if device.type != "cpu":
         raise WeightFormatError(f"model.quantize: {fmt} runs on the CPU only (device {device}); use none or auto")
     try:
         probe = nn.Linear(128, 16, bias=False)
-        quantized_linear(probe, BITS[fmt], dtype)(torch.zeros(2, 128, dtype=dtype))
+        format_linear(probe, fmt, dtype)(torch.zeros(2, 128, dtype=dtype))
     except (RuntimeError, NotImplementedError) as err:
         raise WeightFormatError(f"model.quantize: {fmt} is not supported by torch on this CPU (ISA {isa}, "
                                 f"dtype {dtype}): {str(err).splitlines()[0]}") from err
 
 
+def format_linear(layer: nn.Linear, fmt: str, dtype: torch.dtype, keep_8bit: bool = False) -> nn.Module:
+    """`layer` as the quantized map of row-invariant format `fmt`; keep_8bit: int8 weights under int4."""
+    if fmt == "int8-per-token":
+        return Int8PerTokenLinear(layer.weight, layer.bias, dtype)
+    return quantized_linear(layer, 8 if keep_8bit else BITS[fmt], dtype)
+
+
 def quantize_weights(model: Qwen3, fmt: str, keep_8bit: set[str] = frozenset()) -> Qwen3:
-    """Replace the decoder's projections by weight-only quantized maps of `fmt` (in the model's dtype), and give
-    `full_logits` an int8 head. keep_8bit: module names ("layers.3.mlp.down_proj", "lm_head") kept at int8 under
-    int4 (those the source GGUF keeps above 4 bits)."""
+    """Replace the decoder's projections by quantized maps of `fmt` (outputs in the model's dtype), and give
+    `full_logits` an int8 head (per-token under int8-per-token, weight-only otherwise). keep_8bit: module names
+    ("layers.3.mlp.down_proj", "lm_head") kept at int8 under int4 (those the source GGUF keeps above 4 bits)."""
     dtype = model.embed_tokens.weight.dtype
-    bits = BITS[fmt]
     for layer_index, layer in enumerate(model.layers):
         for parent in (layer.self_attn, layer.mlp):
             for name, child in list(parent.named_children()):
                 if type(child) is not nn.Linear:
                     continue
                 qualified = f"layers.{layer_index}.{'self_attn' if parent is layer.self_attn else 'mlp'}.{name}"
-                setattr(parent, name, quantized_linear(child, 8 if qualified in keep_8bit else bits, dtype))
-    model.head = Int8WeightLinear(model.head_weight, None, dtype)
+                setattr(parent, name, format_linear(child, fmt, dtype, qualified in keep_8bit))
+    head = Int8PerTokenLinear if fmt == "int8-per-token" else Int8WeightLinear
+    model.head = head(model.head_weight, None, dtype)
     model.weight_format = fmt
     return model
 
@@ -162,7 +173,7 @@ def format_seconds(cfg: Qwen3Config, fmt: str, dtype: torch.dtype, rows: tuple[i
             weight = layer.weight.to(dtype)
             run = lambda x, w=weight: linear(x, w)  # noqa: E731
         else:
-            run = quantized_linear(layer, BITS[fmt], dtype)
+            run = format_linear(layer, fmt, dtype)
         for n in rows:
             x = torch.randn(n, in_features, dtype=dtype)
             total += _best_seconds(lambda: run(x), repeats)
@@ -174,6 +185,7 @@ def choose_format(cfg: Qwen3Config, dtype: torch.dtype, four_bit_source: bool) -
     still (a CPU whose weight-only kernels are slow in this dtype, e.g. float32 activations without native bf16:
     then `none`, and greedy speculation is no longer bitwise the target's; logged). Returns the choice and the
     seconds measured per candidate (logged)."""
+    # int8-per-token is not a candidate yet: its perplexity cost (+1.7%) exceeds int4's (docs/models.md).
     candidates = ["int8-weight-only"] + (["int4-weight-only"] if four_bit_source else [])
     seconds = {fmt: format_seconds(cfg, fmt, dtype) for fmt in [*candidates, "none"]}
     best = min(candidates, key=seconds.get)
@@ -204,7 +216,7 @@ def apply_weight_format(model: Qwen3, fmt: str, folder: Path | None, embedded: b
     model.weight_format_seconds = measured
     if fmt == "int8":
         return quantize_int8(model)
-    if fmt in WEIGHT_ONLY:
+    if fmt in ROW_INVARIANT:
         model = quantize_weights(model, fmt, higher_precision_modules(folder) if fmt == "int4-weight-only" else set())
         model.row_invariant_attention = verifies
         return model

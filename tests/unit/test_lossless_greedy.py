@@ -115,7 +115,7 @@ def test_int8_needs_float32_on_cpu():
     assert ModelConfig(quantize="int8").dtype == "auto"
 
 
-@pytest.mark.parametrize("weight_format", ["int8-weight-only", "int4-weight-only"])
+@pytest.mark.parametrize("weight_format", ["int8-weight-only", "int4-weight-only", "int8-per-token"])
 def test_greedy_identical_in_bf16_weight_formats(weight_format, verification):
     """bf16 (logits rounded coarsely, so near-ties are common): a target in a row-invariant weight format, verifying
     chains and trees, gives ar's tokens exactly over many prompts (kernels/quantized.py, attend_row_by_row)."""

@@ -9,15 +9,16 @@ from torch import nn
 
 from evospec.bench.batch_invariance import forward_invariance
 from evospec.config import ModelConfig
-from evospec.kernels.quantized import Int4WeightLinear, Int8WeightLinear, int4_supported, quantized_linear
-from evospec.model.weight_formats import (WEIGHT_ONLY, WeightFormatError, apply_weight_format, check_runs_here,
+from evospec.kernels.quantized import (Int4WeightLinear, Int8PerTokenLinear, Int8WeightLinear, int4_supported,
+                                       quantized_linear)
+from evospec.model.weight_formats import (ROW_INVARIANT, WeightFormatError, apply_weight_format, check_runs_here,
                                           format_seconds, projection_shapes)
 from evospec.testing import random_qwen3, tiny_config
 
 # The real pair's projection shapes (Qwen2.5-Coder-1.5B and 0.5B), a head slice, and the tiny pair's.
 SHAPES = [(1536, 1536), (256, 1536), (8960, 1536), (1536, 8960), (4096, 1536), (896, 896), (128, 896), (4864, 896),
           (896, 4864), (256, 128), (128, 256)]
-KERNELS = {"int8": Int8WeightLinear, "int4": Int4WeightLinear}
+KERNELS = {"int8": Int8WeightLinear, "int4": Int4WeightLinear, "int8-per-token": Int8PerTokenLinear}
 
 
 def _layer(out_features: int, in_features: int, bias: bool = False) -> nn.Linear:
@@ -54,6 +55,19 @@ def test_quantization_error_is_that_of_its_bits(bits, bound):
     assert torch.allclose(x @ dense.T + layer.bias, quantized(x), atol=1e-3, rtol=1e-3)
 
 
+@torch.no_grad()
+def test_per_token_quantization_error_is_that_of_int8_on_both_operands():
+    layer = _layer(512, 1024, bias=True)
+    quantized = Int8PerTokenLinear(layer.weight, layer.bias, torch.float32)
+    x = torch.randn(4, 1024)
+    x[1] *= 1000  # one loud row: per-token scales keep the others' precision
+    exact = layer(x)
+    error = (quantized(x) - exact).norm(dim=1) / exact.norm(dim=1)
+    assert bool((error > 0).all() and (error < 0.02).all()), error
+    assert quantized(x).dtype == torch.float32
+    assert Int8PerTokenLinear(layer.weight, None, torch.bfloat16)(x.bfloat16()).dtype == torch.bfloat16
+
+
 def test_an_unsupported_int4_shape_gets_int8():
     assert isinstance(quantized_linear(_layer(24, 40), 4, torch.float32), Int8WeightLinear)
     with pytest.raises(ValueError, match="int4 weights need"):
@@ -61,7 +75,7 @@ def test_an_unsupported_int4_shape_gets_int8():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("weight_format", WEIGHT_ONLY)
+@pytest.mark.parametrize("weight_format", ROW_INVARIANT)
 @pytest.mark.parametrize("pad", [False, True], ids=["plain", "padded-single-token"])
 def test_verify_logits_are_bitwise_the_decodes(weight_format, dtype, pad):
     """The whole forward (attention, norms, every projection, the head): k verify rows vs k 1-token decodes."""
@@ -93,8 +107,8 @@ def test_auto_keeps_the_embedded_pair_dense_and_measures_otherwise():
     assert set(model.weight_format_seconds) == {"int8-weight-only", "none"}
     faster = min(model.weight_format_seconds, key=model.weight_format_seconds.get)
     assert model.weight_format == faster
-    if faster == "int8-weight-only":
-        assert isinstance(model.layers[0].mlp.down_proj, Int8WeightLinear) and model.head is not None
+    kernel = {"int8-weight-only": Int8WeightLinear, "int8-per-token": Int8PerTokenLinear, "none": nn.Linear}[faster]
+    assert type(model.layers[0].mlp.down_proj) is kernel and (model.head is None) == (faster == "none")
 
 
 def test_format_seconds_counts_every_layer():
@@ -112,7 +126,7 @@ def test_a_format_this_machine_cannot_run_fails_naming_the_field():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("weight_format", WEIGHT_ONLY)
+@pytest.mark.parametrize("weight_format", ROW_INVARIANT)
 def test_tree_verify_rows_are_bitwise_the_decodes_of_their_paths(weight_format, dtype):
     """A tree verify (root + branching nodes, rows attending scattered ancestors) against `ar`: each node's logits
     equal those of decoding its path one token at a time after the same prefix."""
