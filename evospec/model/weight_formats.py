@@ -35,6 +35,7 @@ from torch import nn
 from evospec.kernels.linear import linear
 from evospec.kernels.quantized import Int8PerTokenLinear, Int8WeightLinear, quantized_linear
 from evospec.model.qwen3 import Qwen3, Qwen3Config, quantize_int8
+from evospec.model.smoothing import smooth_for_per_token
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +217,8 @@ def apply_weight_format(model: Qwen3, fmt: str, folder: Path | None, embedded: b
     model.weight_format_seconds = measured
     if fmt == "int8":
         return quantize_int8(model)
+    if fmt == "int8-per-token":
+        smooth_for_per_token(model, folder, keep=not embedded)
     if fmt in ROW_INVARIANT:
         model = quantize_weights(model, fmt, higher_precision_modules(folder) if fmt == "int4-weight-only" else set())
         model.row_invariant_attention = verifies
