@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 
 WEIGHT_ONLY = ("int8-weight-only", "int4-weight-only")
 ROW_INVARIANT = (*WEIGHT_ONLY, "int8-per-token")  # the formats of kernels/quantized.py: CPU only, row-invariant
+# All-int8 formats: one scale per output row, so a target's q/k/v (and gate/up) stacked into one map compute exactly
+# what the separate maps do, in one kernel call (and one activation quantization under int8-per-token).
+FUSABLE = ("int8-weight-only", "int8-per-token")
 BITS = {"int8-weight-only": 8, "int4-weight-only": 4}
 # GGUF module names -> ours, for the projections a source GGUF may keep at higher precision than its file type.
 GGUF_PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -53,12 +56,14 @@ class WeightFormatError(ValueError):
     """A format this machine or model cannot run: one line naming `model.quantize` and the machine's ISA."""
 
 
-def projection_shapes(cfg: Qwen3Config) -> list[tuple[int, int]]:
-    """[out, in] of the seven projections of one decoder layer."""
-    h, hd = cfg.hidden_size, cfg.head_dim
-    return [(cfg.num_attention_heads * hd, h), (cfg.num_key_value_heads * hd, h), (cfg.num_key_value_heads * hd, h),
-            (h, cfg.num_attention_heads * hd), (cfg.intermediate_size, h), (cfg.intermediate_size, h),
-            (h, cfg.intermediate_size)]
+def projection_shapes(cfg: Qwen3Config, fused: bool = False) -> list[tuple[int, int]]:
+    """[out, in] of the projections of one decoder layer: q, k, v, o, gate, up, down; fused: qkv, o, gate_up, down
+    (a target in a FUSABLE format)."""
+    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    if fused:
+        return [(q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter)]
+    return [(q, h), (kv, h), (kv, h), (h, q), (inter, h), (inter, h), (h, inter)]
 
 
 def source_gguf(folder: Path) -> Path | None:
@@ -124,11 +129,37 @@ def format_linear(layer: nn.Linear, fmt: str, dtype: torch.dtype, keep_8bit: boo
     return quantized_linear(layer, 8 if keep_8bit else BITS[fmt], dtype)
 
 
-def quantize_weights(model: Qwen3, fmt: str, keep_8bit: set[str] = frozenset()) -> Qwen3:
+def _fused(layers: list[nn.Linear], fmt: str, dtype: torch.dtype) -> nn.Module:
+    """The maps `layers` (same input) as one map of `fmt` whose output is theirs concatenated."""
+    weight = torch.cat([layer.weight.detach().float() for layer in layers])
+    stacked = nn.Linear(weight.shape[1], weight.shape[0], bias=layers[0].bias is not None, device="meta")
+    stacked.weight = nn.Parameter(weight, requires_grad=False)
+    if layers[0].bias is not None:
+        stacked.bias = nn.Parameter(torch.cat([layer.bias.detach().float() for layer in layers]), requires_grad=False)
+    return format_linear(stacked, fmt, dtype)
+
+
+def fuse_projections(model: Qwen3, fmt: str) -> None:
+    """Replace each layer's q/k/v by one `qkv_proj` and gate/up by one `gate_up_proj` in format `fmt` (FUSABLE)."""
+    dtype = model.embed_tokens.weight.dtype
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = _fused([attn.q_proj, attn.k_proj, attn.v_proj], fmt, dtype)
+        mlp.gate_up_proj = _fused([mlp.gate_proj, mlp.up_proj], fmt, dtype)
+        for parent, names in ((attn, ("q_proj", "k_proj", "v_proj")), (mlp, ("gate_proj", "up_proj"))):
+            for name in names:
+                delattr(parent, name)
+
+
+def quantize_weights(model: Qwen3, fmt: str, keep_8bit: set[str] = frozenset(), fuse: bool = False) -> Qwen3:
     """Replace the decoder's projections by quantized maps of `fmt` (outputs in the model's dtype), and give
     `full_logits` an int8 head (per-token under int8-per-token, weight-only otherwise). keep_8bit: module names
-    ("layers.3.mlp.down_proj", "lm_head") kept at int8 under int4 (those the source GGUF keeps above 4 bits)."""
+    ("layers.3.mlp.down_proj", "lm_head") kept at int8 under int4 (those the source GGUF keeps above 4 bits).
+    fuse: stack q/k/v and gate/up into one map each where `fmt` is FUSABLE (a target: fewer kernel calls per
+    step; a draft keeps the separate maps its online adaptation wraps)."""
     dtype = model.embed_tokens.weight.dtype
+    if fuse and fmt in FUSABLE:
+        fuse_projections(model, fmt)
     for layer_index, layer in enumerate(model.layers):
         for parent in (layer.self_attn, layer.mlp):
             for name, child in list(parent.named_children()):
@@ -150,10 +181,17 @@ def higher_precision_modules(folder: Path | None) -> set[str]:
     return {name for name, kind in gguf_types(gguf).items() if kind not in FOUR_BIT_GGUF_TYPES}
 
 
+EVICT_BYTES = 96 << 20  # more than a server CPU's last-level cache: a decode step reads its weights from memory
+
+
 def _best_seconds(fn, repeats: int) -> float:
+    """Best of `repeats` calls of fn, each after the caches were flushed by writing EVICT_BYTES elsewhere (one
+    projection's weights would otherwise stay in the L3 between calls, which a whole model's never do)."""
     fn()  # the first call of a shape chooses and warms its kernel up
+    scratch = torch.empty(EVICT_BYTES, dtype=torch.uint8)
     best = float("inf")
     for _ in range(repeats):
+        scratch.fill_(1)
         start = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - start)
@@ -162,12 +200,12 @@ def _best_seconds(fn, repeats: int) -> float:
 
 @torch.inference_mode()
 def format_seconds(cfg: Qwen3Config, fmt: str, dtype: torch.dtype, rows: tuple[int, ...] = (1, 4),
-                   repeats: int = 5) -> float:
+                   repeats: int = 5, fused: bool = False) -> float:
     """Estimated seconds of the decoder's projections for one forward per row count in `rows`, summed (a decode
     step and a verify step), in format `fmt`: each distinct projection shape timed once with random weights, times
-    the number of layers."""
+    the number of layers. fused: a target's stacked q/k/v and gate/up where `fmt` is FUSABLE."""
     total = 0.0
-    for out_features, in_features in projection_shapes(cfg):
+    for out_features, in_features in projection_shapes(cfg, fused=fused and fmt in FUSABLE):
         layer = nn.Linear(in_features, out_features, bias=False, dtype=torch.float32)
         nn.init.normal_(layer.weight, std=0.02)
         if fmt == "none":
@@ -181,14 +219,14 @@ def format_seconds(cfg: Qwen3Config, fmt: str, dtype: torch.dtype, rows: tuple[i
     return total * cfg.num_hidden_layers
 
 
-def choose_format(cfg: Qwen3Config, dtype: torch.dtype, four_bit_source: bool) -> tuple[str, dict[str, float]]:
-    """`auto` on a CPU: the fastest row-invariant weight-only format measured here, unless dense weights are faster
-    still (a CPU whose weight-only kernels are slow in this dtype, e.g. float32 activations without native bf16:
-    then `none`, and greedy speculation is no longer bitwise the target's; logged). Returns the choice and the
-    seconds measured per candidate (logged)."""
-    # int8-per-token is not a candidate yet: its perplexity cost (+1.7%) exceeds int4's (docs/models.md).
-    candidates = ["int8-weight-only"] + (["int4-weight-only"] if four_bit_source else [])
-    seconds = {fmt: format_seconds(cfg, fmt, dtype) for fmt in [*candidates, "none"]}
+def choose_format(cfg: Qwen3Config, dtype: torch.dtype, four_bit_source: bool,
+                  fused: bool = False) -> tuple[str, dict[str, float]]:
+    """`auto` on a CPU: the fastest row-invariant format measured here (fused: as a target stacks its maps), unless
+    dense weights are faster still (a CPU whose quantized kernels are slow in this dtype, e.g. float32 activations
+    without native bf16: then `none`, and greedy speculation is no longer bitwise the target's; logged). Returns
+    the choice and the seconds measured per candidate (logged)."""
+    candidates = ["int8-weight-only", "int8-per-token"] + (["int4-weight-only"] if four_bit_source else [])
+    seconds = {fmt: format_seconds(cfg, fmt, dtype, fused=fused) for fmt in [*candidates, "none"]}
     best = min(candidates, key=seconds.get)
     if seconds["none"] < seconds[best]:
         log.warning("weight format auto -> none: dense %s weights measured faster than %s on this CPU (%.3f vs %.3f "
@@ -210,7 +248,7 @@ def apply_weight_format(model: Qwen3, fmt: str, folder: Path | None, embedded: b
         if device.type != "cpu" or embedded:
             fmt = "none"
         else:
-            fmt, measured = choose_format(model.cfg, dtype, is_four_bit_source(folder))
+            fmt, measured = choose_format(model.cfg, dtype, is_four_bit_source(folder), fused=verifies)
             log.info("weight format auto -> %s (projection seconds per decode + 4-row verify, measured here: %s)",
                      fmt, {k: round(v, 4) for k, v in measured.items()})
     check_runs_here(fmt, device, dtype)
@@ -220,7 +258,8 @@ def apply_weight_format(model: Qwen3, fmt: str, folder: Path | None, embedded: b
     if fmt == "int8-per-token":
         smooth_for_per_token(model, folder, keep=not embedded)
     if fmt in ROW_INVARIANT:
-        model = quantize_weights(model, fmt, higher_precision_modules(folder) if fmt == "int4-weight-only" else set())
+        model = quantize_weights(model, fmt, higher_precision_modules(folder) if fmt == "int4-weight-only" else set(),
+                                 fuse=verifies)
         model.row_invariant_attention = verifies
         return model
     model.weight_format = "none"

@@ -12,12 +12,13 @@ from evospec.config import ModelConfig
 from evospec.kernels.quantized import (Int4WeightLinear, Int8PerTokenLinear, Int8WeightLinear, int4_supported,
                                        quantized_linear)
 from evospec.model.weight_formats import (ROW_INVARIANT, WeightFormatError, apply_weight_format, check_runs_here,
-                                          format_seconds, projection_shapes)
+                                          format_seconds, projection_shapes, quantize_weights)
 from evospec.testing import random_qwen3, tiny_config
 
-# The real pair's projection shapes (Qwen2.5-Coder-1.5B and 0.5B), a head slice, and the tiny pair's.
+# The real pair's projection shapes (Qwen2.5-Coder-1.5B and 0.5B), a head slice, the tiny pair's, and the 1.5B's fused
+# q/k/v and gate/up.
 SHAPES = [(1536, 1536), (256, 1536), (8960, 1536), (1536, 8960), (4096, 1536), (896, 896), (128, 896), (4864, 896),
-          (896, 4864), (256, 128), (128, 256)]
+          (896, 4864), (256, 128), (128, 256), (2048, 1536), (17920, 1536)]  # the last two: the target's fused maps
 KERNELS = {"int8": Int8WeightLinear, "int4": Int4WeightLinear, "int8-per-token": Int8PerTokenLinear}
 
 
@@ -103,12 +104,12 @@ def test_auto_keeps_the_embedded_pair_dense_and_measures_otherwise():
     cfg = tiny_config(vocab=512, hidden=128, layers=1, eos=1)
     assert apply_weight_format(random_qwen3(cfg, seed=0), "auto", None, embedded=True).weight_format == "none"
     model = apply_weight_format(random_qwen3(cfg, seed=0), "auto", None)
-    # No GGUF source: int4 is not a candidate; auto times int8-weight-only against dense and keeps the faster.
-    assert set(model.weight_format_seconds) == {"int8-weight-only", "none"}
+    # No GGUF source: int4 is not a candidate; auto times the int8 formats against dense and keeps the fastest.
+    assert set(model.weight_format_seconds) == {"int8-weight-only", "int8-per-token", "none"}
     faster = min(model.weight_format_seconds, key=model.weight_format_seconds.get)
     assert model.weight_format == faster
     kernel = {"int8-weight-only": Int8WeightLinear, "int8-per-token": Int8PerTokenLinear, "none": nn.Linear}[faster]
-    assert type(model.layers[0].mlp.down_proj) is kernel and (model.head is None) == (faster == "none")
+    assert type(model.layers[0].self_attn.o_proj) is kernel and (model.head is None) == (faster == "none")
 
 
 def test_format_seconds_counts_every_layer():
@@ -161,3 +162,23 @@ def test_tree_verify_rows_are_bitwise_the_decodes_of_their_paths(weight_format, 
                            chain_then_tree_mask(cache.length, 1, None))
             cache.advance(1)
         assert torch.equal(model.full_logits(hidden)[0], tree_logits[node + 1]), f"node {node}"
+
+
+@pytest.mark.parametrize("weight_format", ["int8-weight-only", "int8-per-token"])
+def test_fused_projections_compute_what_the_separate_ones_do(weight_format):
+    """A target stacks q/k/v and gate/up into one map each (one kernel call, one activation quantization): the
+    logits are bitwise those of the separate maps; a draft (verifies=False) keeps the separate maps."""
+    from evospec.kernels.tree import chain_then_tree_mask
+    cfg = tiny_config(vocab=512, hidden=128, layers=2, eos=1)
+    fused = apply_weight_format(random_qwen3(cfg, seed=4, dtype=torch.bfloat16), weight_format, None)
+    separate = quantize_weights(random_qwen3(cfg, seed=4, dtype=torch.bfloat16), weight_format, fuse=False)
+    separate.row_invariant_attention = True
+    draft = apply_weight_format(random_qwen3(cfg, seed=4, dtype=torch.bfloat16), weight_format, None, verifies=False)
+    assert fused.layers[0].self_attn.qkv_proj is not None and not hasattr(fused.layers[0].self_attn, "q_proj")
+    assert draft.layers[0].mlp.gate_up_proj is None and hasattr(draft.layers[0].mlp, "gate_proj")
+    ids = torch.arange(7)
+    logits = []
+    for model in (fused, separate):
+        cache = model.new_cache(8)
+        logits.append(model.full_logits(model(ids, torch.arange(7), cache, chain_then_tree_mask(0, 7, None))))
+    assert torch.equal(*logits)
