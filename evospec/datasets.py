@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 from pathlib import Path
 
 HELD_OUT_PUBMEDQA = 60  # the last N PubMedQA items (by PubMed id) never enter training: benchmark prompts come from them
@@ -179,7 +180,9 @@ def code_stub(module: str, cls: str | None, fn) -> str:
     import inspect
     import textwrap
     try:
-        signature = str(inspect.signature(fn))
+        # a default's repr may carry its address (`<... object at 0x7f...>`): dropped, so a stub is the same text
+        # in every process (prompts, calibration keys)
+        signature = re.sub(r" at 0x[0-9a-f]+", "", str(inspect.signature(fn)))
     except (TypeError, ValueError):
         signature = "(*args, **kwargs)"
     doc = _own_doc(fn).replace('"""', "\'\'\'")

@@ -30,14 +30,26 @@ def int4_supported(out_features: int, in_features: int) -> bool:
     return in_features % (INT4_INNER_K_TILES * 16) == 0 and out_features % 16 == 0
 
 
+def int8_per_row(weight: torch.Tensor, chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: (q [out, in] int8, scale [out] float32) with scale = max|w| / 127. Computed
+    in chunks of rows: float32 copies of a whole model's weights at once cost seconds of allocation at load."""
+    q = torch.empty(weight.shape, dtype=torch.int8)
+    scale = torch.empty(weight.shape[0], dtype=torch.float32)
+    for start in range(0, weight.shape[0], chunk):
+        rows = weight[start:start + chunk].detach().to(torch.float32, copy=True)  # divided in place below
+        row_scale = (rows.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        q[start:start + chunk] = torch.round(rows.div_(row_scale[:, None])).clamp_(-127, 127)
+        scale[start:start + chunk] = row_scale
+    return q, scale
+
+
 class Int8WeightLinear(nn.Module):
     """int8 weights [out, in] with one scale per output row; activations in `dtype` (bf16 or float32)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
-        w = weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        qweight, scale = int8_per_row(weight)
+        self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale.to(dtype))
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
@@ -100,10 +112,9 @@ class Int8PerTokenLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
-        w = weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
         # [out, in] contiguous, multiplied as its transpose: oneDNN's fastest layout for this product (measured).
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        qweight, scale = int8_per_row(weight)
+        self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
         self.register_buffer("bias", None if bias is None else bias.detach().float())
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]

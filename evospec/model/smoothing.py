@@ -99,13 +99,13 @@ def smoothing_scale(act_max: torch.Tensor, weights: list[torch.Tensor], alpha: f
 
 
 def _scale_columns(layer: nn.Linear, scale: torch.Tensor) -> None:
-    layer.weight.data = layer.weight.data.float() * scale  # float32 until quantized (which follows at once)
+    layer.weight.data.mul_(scale.to(layer.weight.dtype))  # in place, in the model's dtype (quantized right after)
 
 
 def _divide_rows(layer: nn.Linear, scale: torch.Tensor) -> None:
-    layer.weight.data = layer.weight.data.float() / scale[:, None]
+    layer.weight.data.div_(scale[:, None].to(layer.weight.dtype))
     if layer.bias is not None:
-        layer.bias.data = (layer.bias.data.float() / scale).to(layer.bias.dtype)
+        layer.bias.data.div_(scale.to(layer.bias.dtype))
 
 
 def _divide_norm(norm: nn.Module, scale: torch.Tensor) -> None:

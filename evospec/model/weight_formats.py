@@ -131,11 +131,11 @@ def format_linear(layer: nn.Linear, fmt: str, dtype: torch.dtype, keep_8bit: boo
 
 def _fused(layers: list[nn.Linear], fmt: str, dtype: torch.dtype) -> nn.Module:
     """The maps `layers` (same input) as one map of `fmt` whose output is theirs concatenated."""
-    weight = torch.cat([layer.weight.detach().float() for layer in layers])
+    weight = torch.cat([layer.weight.detach() for layer in layers])
     stacked = nn.Linear(weight.shape[1], weight.shape[0], bias=layers[0].bias is not None, device="meta")
     stacked.weight = nn.Parameter(weight, requires_grad=False)
     if layers[0].bias is not None:
-        stacked.bias = nn.Parameter(torch.cat([layer.bias.detach().float() for layer in layers]), requires_grad=False)
+        stacked.bias = nn.Parameter(torch.cat([layer.bias.detach() for layer in layers]), requires_grad=False)
     return format_linear(stacked, fmt, dtype)
 
 
