@@ -167,9 +167,9 @@ class ModelConfig(BaseModel):
     quantize: the weight format (evospec/model/weight_formats.py, docs/models.md "Weight formats"): none (dense, in
     dtype), int8 (dynamic int8 decoder layers; CPU, float32; a draft's format: its output is only proposed),
     int8-weight-only / int4-weight-only / int8-per-token (CPU; row-invariant, so greedy speculation stays the
-    target's own; int8-per-token verifies k rows for about a decode's cost, at +1.7% perplexity), auto (the
-    default: none on a GPU and for the embedded tiny pair, else the faster weight-only format measured at load; int4
-    only for a model converted from a 4-bit GGUF)."""
+    target's own; int8-per-token is SmoothQuant-smoothed, calibrated once per model), auto (the default: none on a
+    GPU and for the embedded tiny pair, else the fastest of these measured at load; int4 only for a model converted
+    from a 4-bit GGUF)."""
     model_config = ConfigDict(frozen=True, extra="forbid")
     path: str | None = None
     device: str = "auto"

@@ -13,9 +13,9 @@ The division is folded into the op that produces the projection's input, so noth
 - o (input: attention's weighted sum of v): v_proj's rows and bias / s. Under grouped-query attention one v head
   feeds several query heads' slots of o's input, so s is shared across a group (max over its heads).
 
-max|X_j| is calibrated once per model on a few texts (the dense model, the first layers' inputs as served) and kept
-beside the model (`calibration/smoothquant.safetensors`, keyed by α and the texts' hash); a read-only model folder calibrates
-again at each load (~10-20 s for a 1.5B model on 2 cores). The served target is the smoothed, quantized model: `ar`
+max|X_j| is calibrated once per model on a few texts (the dense model's projection inputs) and kept beside the model
+(`calibration/smoothquant.safetensors`, keyed by α and the texts' hash); a read-only model folder calibrates again
+at each load (~12 s for a 1.5B model on 2 cores). The served target is the smoothed, quantized model: `ar`
 and speculation both run it, so losslessness is unchanged (greedy speculation is that model's own output).
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 ALPHA = 0.5
 CALIBRATION_TOKENS = 384  # per text (each text is cut to this many tokens)
 CALIBRATION_TEXTS = 6  # texts in all: code stubs (always present) and PubMedQA training abstracts (when present)
-SAVED = "calibration/smoothquant.safetensors"  # in a subfolder: the model's loader reads every *.safetensors of its folder
+SAVED = "calibration/smoothquant.safetensors"  # a subfolder: the loader reads every *.safetensors of the model's
 MIN_SCALE = 1e-5
 
 

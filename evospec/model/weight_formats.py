@@ -9,17 +9,19 @@ Formats (docs/models.md, "Weight formats"; quality per format: docs/results.md, 
   projections the source GGUF itself keeps above 4 bits: Q4_K_M keeps half the layers' v and down projections and
   the LM head in Q6_K); activations in the model's dtype.
 - `int8-per-token`: int8 weights per output channel times int8 activations quantized per token (W8A8 dynamic
-  per-token, `torch._int_mm`): exactly row-invariant (integer sums), and a k-row verify costs about what a 1-row
-  decode does (weight-only kernels loop over rows). Opt-in: +1.7% perplexity on the real target, above int4's.
-- `auto`: on a CUDA device, `none`; on a CPU, the faster of the row-invariant weight-only formats on this machine,
-  measured at load on the model's own projection shapes (random weights; about a second). `int4-weight-only` is a
-  candidate only when the model was converted from a 4-bit GGUF (its `provenance.json`), so `auto` never serves a
-  model below the precision it was published in. The embedded tiny pair stays `none` (the float32 reference).
-  Where dense weights time faster than every weight-only format (slow weight-only kernels in float32 on a CPU
-  without native bf16), `auto` gives `none`, with a warning: greedy identity is then not bitwise.
+  per-token, `torch._int_mm`): exactly row-invariant (integer sums), and with AMX a k-row verify costs about what a
+  1-row decode does (weight-only kernels loop over rows). SmoothQuant-smoothed at load (model/smoothing.py):
+  +0.24-0.37% perplexity on the real target (unsmoothed +1.7%; int4 +1.05%).
+- `auto`: on a CUDA device, `none`; on a CPU, the fastest of the row-invariant formats on this machine, measured at
+  load on the model's own projection shapes (random weights, fused as a target runs them; a few seconds).
+  `int4-weight-only` is a candidate only when the model was converted from a 4-bit GGUF (its `provenance.json`), so
+  `auto` never serves a model below the precision it was published in. The embedded tiny pair stays `none` (the
+  float32 reference). Where dense weights time faster than every weight-only format (slow weight-only kernels in
+  float32 on a CPU without native bf16), `auto` gives `none`, with a warning: greedy identity is then not bitwise.
 
-The weight-only formats quantize the decoder's projections and the LM head (a separate int8 copy for `full_logits`;
-the dense head stays for the draft's pruned vocabularies). They are row-invariant (kernels/quantized.py), which keeps
+A target in an all-int8 format (FUSABLE) runs q/k/v and gate/up as one map each. These formats quantize the
+decoder's projections and the LM head (a separate int8 copy for `full_logits`; the dense head stays for the draft's
+pruned vocabularies). They are row-invariant (kernels/quantized.py), which keeps
 a verify forward's logits bitwise equal to the 1-token decode forwards', so greedy speculation is the target's own.
 """
 from __future__ import annotations
@@ -184,39 +186,49 @@ def higher_precision_modules(folder: Path | None) -> set[str]:
 EVICT_BYTES = 96 << 20  # more than a server CPU's last-level cache: a decode step reads its weights from memory
 
 
-def _best_seconds(fn, repeats: int) -> float:
-    """Best of `repeats` calls of fn, each after the caches were flushed by writing EVICT_BYTES elsewhere (one
-    projection's weights would otherwise stay in the L3 between calls, which a whole model's never do)."""
-    fn()  # the first call of a shape chooses and warms its kernel up
-    scratch = torch.empty(EVICT_BYTES, dtype=torch.uint8)
-    best = float("inf")
-    for _ in range(repeats):
-        scratch.fill_(1)
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+def _projection_map(out_features: int, in_features: int, fmt: str, dtype: torch.dtype):
+    """A random projection of this shape in format `fmt`, as a callable x -> y."""
+    layer = nn.Linear(in_features, out_features, bias=False, dtype=torch.float32)
+    nn.init.normal_(layer.weight, std=0.02)
+    if fmt == "none":
+        weight = layer.weight.to(dtype)
+        return lambda x: linear(x, weight)
+    return format_linear(layer, fmt, dtype)
 
 
 @torch.inference_mode()
+def formats_seconds(cfg: Qwen3Config, formats: list[str], dtype: torch.dtype, rows: tuple[int, ...] = (1, 4),
+                    repeats: int = 7, fused: bool = False) -> dict[str, float]:
+    """{format: estimated seconds of the decoder's projections for one forward per row count in `rows`, summed (a
+    decode step and a verify step)}: each distinct projection shape timed with random weights, times the number of
+    layers. fused: a target's stacked q/k/v and gate/up where the format is FUSABLE.
+
+    Each timing is the best of `repeats` calls, each after the caches were flushed by writing EVICT_BYTES elsewhere
+    (one projection's weights would otherwise stay in the L3 between calls, which a whole model's never do), and
+    the formats are timed in turn within each repeat, so a burst of other work on the CPU (the other replica
+    loading beside this one) slows every candidate alike instead of one."""
+    calls = []  # (format, run, x): every timed call
+    for fmt in formats:
+        for out_features, in_features in projection_shapes(cfg, fused=fused and fmt in FUSABLE):
+            run = _projection_map(out_features, in_features, fmt, dtype)
+            calls += [(fmt, run, torch.randn(n, in_features, dtype=dtype)) for n in rows]
+    for _, run, x in calls:
+        run(x)  # the first call of a shape chooses and warms its kernel up
+    best = [float("inf")] * len(calls)
+    scratch = torch.empty(EVICT_BYTES, dtype=torch.uint8)
+    for _ in range(repeats):
+        for i, (_, run, x) in enumerate(calls):
+            scratch.fill_(1)
+            start = time.perf_counter()
+            run(x)
+            best[i] = min(best[i], time.perf_counter() - start)
+    return {fmt: cfg.num_hidden_layers * sum(b for (f, _, _), b in zip(calls, best) if f == fmt) for fmt in formats}
+
+
 def format_seconds(cfg: Qwen3Config, fmt: str, dtype: torch.dtype, rows: tuple[int, ...] = (1, 4),
-                   repeats: int = 5, fused: bool = False) -> float:
-    """Estimated seconds of the decoder's projections for one forward per row count in `rows`, summed (a decode
-    step and a verify step), in format `fmt`: each distinct projection shape timed once with random weights, times
-    the number of layers. fused: a target's stacked q/k/v and gate/up where `fmt` is FUSABLE."""
-    total = 0.0
-    for out_features, in_features in projection_shapes(cfg, fused=fused and fmt in FUSABLE):
-        layer = nn.Linear(in_features, out_features, bias=False, dtype=torch.float32)
-        nn.init.normal_(layer.weight, std=0.02)
-        if fmt == "none":
-            weight = layer.weight.to(dtype)
-            run = lambda x, w=weight: linear(x, w)  # noqa: E731
-        else:
-            run = format_linear(layer, fmt, dtype)
-        for n in rows:
-            x = torch.randn(n, in_features, dtype=dtype)
-            total += _best_seconds(lambda: run(x), repeats)
-    return total * cfg.num_hidden_layers
+                   repeats: int = 7, fused: bool = False) -> float:
+    """formats_seconds for one format."""
+    return formats_seconds(cfg, [fmt], dtype, rows, repeats, fused)[fmt]
 
 
 def choose_format(cfg: Qwen3Config, dtype: torch.dtype, four_bit_source: bool,
@@ -226,7 +238,7 @@ def choose_format(cfg: Qwen3Config, dtype: torch.dtype, four_bit_source: bool,
     without native bf16: then `none`, and greedy speculation is no longer bitwise the target's; logged). Returns
     the choice and the seconds measured per candidate (logged)."""
     candidates = ["int8-weight-only", "int8-per-token"] + (["int4-weight-only"] if four_bit_source else [])
-    seconds = {fmt: format_seconds(cfg, fmt, dtype, fused=fused) for fmt in [*candidates, "none"]}
+    seconds = formats_seconds(cfg, [*candidates, "none"], dtype, fused=fused)
     best = min(candidates, key=seconds.get)
     if seconds["none"] < seconds[best]:
         log.warning("weight format auto -> none: dense %s weights measured faster than %s on this CPU (%.3f vs %.3f "
