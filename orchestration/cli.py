@@ -279,7 +279,7 @@ def cmd_vocab(args) -> int:
 
 
 BENCH_SUITES = ("v1", "grid", "misses", "adapt", "random", "decoupled", "real", "concurrency", "fronts",
-                "service", "peers", "formats")
+                "service", "peers", "formats", "identity")
 
 
 def own_main(argv: list[str]) -> Callable[[list[str]], int | None] | None:
@@ -311,6 +311,8 @@ def own_main(argv: list[str]) -> Callable[[list[str]], int | None] | None:
             from evospec.bench.formats import main
         case ["bench", "peers"]:
             from evospec.bench.peers import main
+        case ["bench", "identity"]:
+            from evospec.bench.identity import main
         case ["loadtest", *_]:
             from evospec.loadtest.run import main
         case ["loadtest-sweep", *_]:
@@ -404,7 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
                                          "YAML through the public API, realistic prompts, concurrency, vs plain "
                                          "decoding and a fixed-depth oracle), peers (llama.cpp built from its "
                                          "PyPI sdist, plain and speculative, vs our ar and evospec), formats "
-                                         "(speed and quality of each weight format vs float32); "
+                                         "(speed and quality of each weight format vs float32), identity "
+                                         "(greedy speculative vs ar token for token through the service); "
                                          "`evospec bench SUITE --help`")
     bench.add_argument("suite", choices=BENCH_SUITES)
     sub.add_parser("loadtest", help="async load generator against a running service (vllm bench serve style)")
