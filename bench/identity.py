@@ -69,10 +69,10 @@ def compare(results: dict[str, dict[str, list[dict]]]) -> list[dict]:
 
 def markdown(report: dict) -> str:
     meta = report["meta"]
-    lines = [f"# bench identity: {meta['config']}", "",
-             f"CPU: {meta['environment'].get('cpu', '?')}; target {meta['info'].get('target_dtype')}, weights "
-             f"{meta['info'].get('target_weights')}; greedy, max_tokens {meta['max_tokens']}, c = "
-             f"{meta['concurrency']}; every step drafts: {meta['every_step_drafts']}", "",
+    setting = (f"CPU: {meta['environment'].get('cpu', '?')}; target {meta['info'].get('target_dtype')}, weights "
+               f"{meta['info'].get('target_weights')}; greedy, max_tokens {meta['max_tokens']}, c = "
+               f"{meta['concurrency']}; every step drafts: {meta['every_step_drafts']}")
+    lines = [f"# bench identity: {meta['config']}", "", setting, "",
              "| method | set | identical to ar | first divergence (token) of the others | drafted | accepted |",
              "|---|---|---|---|---|---|"]
     for r in report["rows"]:

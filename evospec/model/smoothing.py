@@ -131,10 +131,9 @@ def smooth(model: Qwen3, maxima: dict[str, torch.Tensor], alpha: float = ALPHA) 
         _divide_rows(mlp.up_proj, s)
         _scale_columns(mlp.down_proj, s)
         # o's input slot (head h, dim d) is v head h // group's dim d: one scale per (kv head, d).
-        hd = cfg.head_dim
-        per_group = lambda t: t.reshape(cfg.num_key_value_heads, group, hd).amax(dim=1)  # noqa: E731
-        act = per_group(maxima[f"layers.{i}.self_attn.o_proj"])
-        weight = per_group(attn.o_proj.weight.detach().abs().amax(dim=0).float())
+        shape = (cfg.num_key_value_heads, group, cfg.head_dim)
+        act = maxima[f"layers.{i}.self_attn.o_proj"].reshape(shape).amax(dim=1)
+        weight = attn.o_proj.weight.detach().abs().amax(dim=0).float().reshape(shape).amax(dim=1)
         s_kv = (act.clamp(min=MIN_SCALE).pow(alpha) / weight.clamp(min=MIN_SCALE).pow(1 - alpha)).clamp(min=MIN_SCALE)
         _divide_rows(attn.v_proj, s_kv.reshape(-1))
         _scale_columns(attn.o_proj, s_kv.repeat_interleave(group, dim=0).reshape(-1))
