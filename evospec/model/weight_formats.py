@@ -11,7 +11,7 @@ Formats (docs/models.md, "Weight formats"; quality per format: docs/results.md, 
 - `int8-per-token`: int8 weights per output channel times int8 activations quantized per token (W8A8 dynamic
   per-token, `torch._int_mm`): exactly row-invariant (integer sums), and with AMX a k-row verify costs about what a
   1-row decode does (weight-only kernels loop over rows). SmoothQuant-smoothed at load (model/smoothing.py):
-  +0.24-0.37% perplexity on the real target (unsmoothed +1.7%; int4 +1.05%).
+  +1.15% perplexity over 20 held-out abstracts on the real target (unsmoothed +1.70%; int4 +0.69%).
 - `auto`: on a CUDA device, `none`; on a CPU, the fastest of the row-invariant formats on this machine, measured at
   load on the model's own projection shapes (random weights, fused as a target runs them; a few seconds).
   `int4-weight-only` is a candidate only when the model was converted from a 4-bit GGUF (its `provenance.json`), so
