@@ -22,18 +22,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from evospec.bench.service import DEFAULT_CONFIG, config_record, environment, progress, start_service
+from evospec.bench.formats import first_divergence
+from evospec.bench.service import (DEFAULT_CONFIG, config_record, environment, every_step_drafts, progress,
+                                   start_service)
 from evospec.datasets import REALISTIC_PROMPT_SETS
 
 BASELINE = "ar"
 
 
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """Index of the first token where a and b differ (the shorter's length when one is a prefix of the other);
-    None when they are equal."""
-    if a == b:
-        return None
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+def divergence(a: list[int], b: list[int]) -> int | None:
+    """Where a and b first differ (bench/formats.py `first_divergence`), None when they are equal."""
+    return None if a == b else first_divergence(a, b)
 
 
 def run_method(address: str, method: str, prompts: list[list[dict]], args) -> list[dict]:
@@ -58,7 +57,7 @@ def compare(results: dict[str, dict[str, list[dict]]]) -> list[dict]:
             continue
         for set_name, answers in per_set.items():
             reference = results[BASELINE][set_name]
-            firsts = [first_divergence(ours["token_ids"], ref["token_ids"]) for ours, ref in zip(answers, reference)]
+            firsts = [divergence(ours["token_ids"], ref["token_ids"]) for ours, ref in zip(answers, reference)]
             rows.append({"method": method, "set": set_name, "requests": len(answers),
                          "identical": sum(f is None for f in firsts),
                          "first_divergence": [f for f in firsts if f is not None],
@@ -110,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     cfg = AppConfig.from_yaml(args.config)
     if args.every_step_drafts:
-        scheduler = cfg.target.scheduler.model_copy(update={"adaptive": False})
-        cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"scheduler": scheduler})})
+        cfg = every_step_drafts(cfg)
     prompts = {name: REALISTIC_PROMPT_SETS[name](args.requests, args.seed) for name in args.sets}
     results: dict[str, dict[str, list[dict]]] = {}
     with local_ray(num_cpus=args.num_cpus):

@@ -221,6 +221,13 @@ def run_cells(address: str, api: str, arms: dict[str, dict], prompt_sets: dict[s
     return rows, records
 
 
+def every_step_drafts(cfg):
+    """`cfg` with the target's scheduler non-adaptive: every step drafts each request's full tree (the oracle
+    service's fixed depths, `bench identity --every-step-drafts`)."""
+    scheduler = cfg.target.scheduler.model_copy(update={"adaptive": False})
+    return cfg.model_copy(update={"target": cfg.target.model_copy(update={"scheduler": scheduler})})
+
+
 def start_service(cfg, api: str, timeout: float):
     """Enter serve_app on the current Ray cluster; -> (context, load address, Info, launch -> ready seconds)."""
     from evospec.orchestration.local import free_port, serve_app
@@ -559,8 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = AppConfig.from_yaml(args.config)
     tree = cfg.target.default_spec.tree
     depths = sorted(set(args.oracle_depths or range(1, tree.levels + 1)))
-    scheduler = cfg.target.scheduler.model_copy(update={"adaptive": False})
-    oracle_cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"scheduler": scheduler})})
+    oracle_cfg = every_step_drafts(cfg)
     n_max = requests_per_cell(max(args.concurrency), args.requests_per_cell)
     prompt_sets = {name: REALISTIC_PROMPT_SETS[name](n_max, args.seed) for name in args.sets}
     report = {"meta": {"suite": "service", "argv": sys.argv if argv is None else ["evospec", "bench", "service", *argv],

@@ -3,17 +3,17 @@ from __future__ import annotations
 
 import pytest
 
-from evospec.bench.identity import compare, first_divergence, markdown, parse_args
+from evospec.bench.identity import compare, divergence, markdown, parse_args
 
 
 def _answer(tokens: list[int], drafted: int = 0, accepted: int = 0) -> dict:
     return {"token_ids": tokens, "finish_reason": "length", "drafted": drafted, "accepted": accepted}
 
 
-def test_first_divergence_names_the_first_differing_token():
-    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
-    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
-    assert first_divergence([1, 2], [1, 2, 3]) == 2  # a prefix: diverges where the shorter one ends
+def test_divergence_names_the_first_differing_token():
+    assert divergence([1, 2, 3], [1, 2, 3]) is None
+    assert divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert divergence([1, 2], [1, 2, 3]) == 2  # a prefix: diverges where the shorter one ends
 
 
 def test_compare_counts_identical_answers_per_method_and_set():
