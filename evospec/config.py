@@ -45,7 +45,7 @@ def traits(method: str) -> MethodTraits:
 TreeShape = Literal["chain", "tree"]
 Retrieval = Literal["statistical", "semantic", "target"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
-Quantize = Literal["none", "int8", "int8-weight-only", "int4-weight-only", "int8-per-token", "auto"]
+Quantize = Literal["none", "int8", "int8-weight-only", "int4-weight-only", "int8-per-token", "gguf", "auto"]
 SEED_SPACE = 2**64  # seeds are uint64 (the public API's type and torch.Generator's range)
 # Sampling temperatures below this divide float32 logits into inf/NaN (1e-39 did); greedy is temperature 0 exactly.
 MIN_TEMPERATURE = 1e-3
@@ -167,9 +167,10 @@ class ModelConfig(BaseModel):
     quantize: the weight format (evospec/model/weight_formats.py, docs/models.md "Weight formats"): none (dense, in
     dtype), int8 (dynamic int8 decoder layers; CPU, float32; a draft's format: its output is only proposed),
     int8-weight-only / int4-weight-only / int8-per-token (CPU; row-invariant, so greedy speculation stays the
-    target's own; int8-per-token is SmoothQuant-smoothed, calibrated once per model), auto (the default: none on a
-    GPU and for the embedded tiny pair, else the fastest of these measured at load; int4 only for a model converted
-    from a 4-bit GGUF)."""
+    target's own; int8-per-token is SmoothQuant-smoothed, calibrated once per model), gguf (CPU with AVX2 and a C
+    compiler: the source GGUF's own Q4_K/Q6_K blocks through kernels/kquant.c, row-invariant), auto (the default:
+    none on a GPU and for the embedded tiny pair, else the fastest of these measured at load; int4 and gguf only for
+    a model converted from a 4-bit GGUF)."""
     model_config = ConfigDict(frozen=True, extra="forbid")
     path: str | None = None
     device: str = "auto"
@@ -184,7 +185,7 @@ class ModelConfig(BaseModel):
     def _quantized_formats_run_on_the_cpu(self) -> "ModelConfig":
         if self.quantize == "int8" and (self.dtype not in ("auto", "float32") or self.device.startswith("cuda")):
             raise ValueError("quantize: int8 runs a float32 model on the CPU; set dtype float32 and device cpu")
-        cpu_only = ("int8-weight-only", "int4-weight-only", "int8-per-token")
+        cpu_only = ("int8-weight-only", "int4-weight-only", "int8-per-token", "gguf")
         if self.quantize in cpu_only and self.device.startswith("cuda"):
             raise ValueError(f"quantize: {self.quantize} runs on the CPU only; use none or auto on {self.device}")
         return self

@@ -31,9 +31,15 @@ import logging
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
+from evospec.kernels import kquant
+from evospec.kernels.kquant import (
+    KQuantLinear, KQuantUnavailable, KQuantWeight, concatenated, q4k_from_dense, q4k_from_gguf, q6k_from_dense,
+    q6k_from_gguf,
+)
 from evospec.kernels.linear import linear
 from evospec.kernels.quantized import Int8PerTokenLinear, Int8WeightLinear, quantized_linear
 from evospec.model.qwen3 import Qwen3, Qwen3Config, quantize_int8
@@ -42,10 +48,12 @@ from evospec.model.smoothing import smooth_for_per_token
 log = logging.getLogger(__name__)
 
 WEIGHT_ONLY = ("int8-weight-only", "int4-weight-only")
-ROW_INVARIANT = (*WEIGHT_ONLY, "int8-per-token")  # the formats of kernels/quantized.py: CPU only, row-invariant
-# All-int8 formats: one scale per output row, so a target's q/k/v (and gate/up) stacked into one map compute exactly
-# what the separate maps do, in one kernel call (and one activation quantization under int8-per-token).
-FUSABLE = ("int8-weight-only", "int8-per-token")
+# kernels/quantized.py's formats and kernels/kquant.py's `gguf`: CPU only, row-invariant
+ROW_INVARIANT = (*WEIGHT_ONLY, "int8-per-token", "gguf")
+# Formats whose maps are per output row (all-int8: one scale per row; gguf: blocks per row), so a target's q/k/v
+# (and gate/up) stacked into one map compute exactly what the separate maps do, in one call (and one activation
+# quantization).
+FUSABLE = ("int8-weight-only", "int8-per-token", "gguf")
 BITS = {"int8-weight-only": 8, "int4-weight-only": 4}
 # GGUF module names -> ours, for the projections a source GGUF may keep at higher precision than its file type.
 GGUF_PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -78,26 +86,48 @@ def source_gguf(folder: Path) -> Path | None:
     return path if path is not None and path.exists() else None
 
 
-def gguf_types(gguf: Path) -> dict[str, str]:
-    """{our module name ("layers.3.mlp.down_proj", "lm_head"): GGUF tensor type ("Q4_K", "Q6_K", ...)}. Parsing a
-    GGUF takes ~14 s (its tokenizer metadata), so the answer is kept beside it (`<file>.types.json`, one per file)."""
-    saved = gguf.with_name(gguf.name + ".types.json")
+def gguf_index(gguf: Path) -> dict[str, dict]:
+    """{our module name ("layers.3.mlp.down_proj", "lm_head"): {"type": GGUF tensor type ("Q4_K", "Q6_K", ...),
+    "rows": output rows, "offset": byte offset of its data in the file, "bytes": its size}}. Parsing a GGUF takes
+    7-14 s (its tokenizer metadata), so the answer is kept beside it (`<file>.index.json`, one per file)."""
+    saved = gguf.with_name(gguf.name + ".index.json")
     if saved.exists() and saved.stat().st_mtime >= gguf.stat().st_mtime:
         return json.loads(saved.read_text())
     from gguf import GGUFReader
 
-    types = {}
+    index = {}
     for tensor in GGUFReader(gguf).tensors:
         parts = tensor.name.split(".")
         if parts[0] == "blk" and parts[2] in GGUF_PROJECTIONS and parts[-1] == "weight":
-            types[f"layers.{parts[1]}.{GGUF_PROJECTIONS[parts[2]]}"] = tensor.tensor_type.name
+            name = f"layers.{parts[1]}.{GGUF_PROJECTIONS[parts[2]]}"
         elif tensor.name == "output.weight":
-            types["lm_head"] = tensor.tensor_type.name
+            name = "lm_head"
+        else:
+            continue
+        index[name] = {"type": tensor.tensor_type.name, "rows": int(tensor.shape[-1]),
+                       "offset": int(tensor.data_offset), "bytes": int(tensor.n_bytes)}
     try:
-        saved.write_text(json.dumps(types))
+        saved.write_text(json.dumps(index))
     except OSError:  # a read-only store: parse again next time
         pass
-    return types
+    return index
+
+
+def gguf_types(gguf: Path) -> dict[str, str]:
+    """{our module name: GGUF tensor type} of the projections and the LM head (gguf_index)."""
+    return {name: entry["type"] for name, entry in gguf_index(gguf).items()}
+
+
+def gguf_blocks(gguf: Path) -> dict[str, KQuantWeight]:
+    """{our module name: its weight as the GGUF stores it} for the Q4_K and Q6_K projections and head (the others,
+    if any, are re-quantized from the dense weights by quantize_gguf)."""
+    data = np.memmap(gguf, dtype=np.uint8, mode="r")
+    blocks = {}
+    for name, entry in gguf_index(gguf).items():
+        unpack = {"Q4_K": q4k_from_gguf, "Q6_K": q6k_from_gguf}.get(entry["type"])
+        if unpack is not None:
+            blocks[name] = unpack(data[entry["offset"]:entry["offset"] + entry["bytes"]], entry["rows"])
+    return blocks
 
 
 def is_four_bit_source(folder: Path | None) -> bool:
@@ -116,9 +146,14 @@ def check_runs_here(fmt: str, device: torch.device, dtype: torch.dtype) -> None:
     isa = torch.backends.cpu.get_cpu_capability()
     if device.type != "cpu":
         raise WeightFormatError(f"model.quantize: {fmt} runs on the CPU only (device {device}); use none or auto")
+    if fmt == "gguf":
+        try:
+            kquant.library()
+        except (KQuantUnavailable, OSError) as err:
+            raise WeightFormatError(f"model.quantize: gguf cannot run on this CPU (ISA {isa}): {err}") from err
     try:
-        probe = nn.Linear(128, 16, bias=False)
-        format_linear(probe, fmt, dtype)(torch.zeros(2, 128, dtype=dtype))
+        probe = nn.Linear(kquant.QK, 16, bias=False)
+        format_linear(probe, fmt, dtype)(torch.zeros(2, kquant.QK, dtype=dtype))
     except (RuntimeError, NotImplementedError) as err:
         raise WeightFormatError(f"model.quantize: {fmt} is not supported by torch on this CPU (ISA {isa}, "
                                 f"dtype {dtype}): {str(err).splitlines()[0]}") from err
@@ -128,6 +163,8 @@ def format_linear(layer: nn.Linear, fmt: str, dtype: torch.dtype, keep_8bit: boo
     """`layer` as the quantized map of row-invariant format `fmt`; keep_8bit: int8 weights under int4."""
     if fmt == "int8-per-token":
         return Int8PerTokenLinear(layer.weight, layer.bias, dtype)
+    if fmt == "gguf":
+        return _kquant_map([layer], [None], dtype)
     return quantized_linear(layer, 8 if keep_8bit else BITS[fmt], dtype)
 
 
@@ -172,6 +209,56 @@ def quantize_weights(model: Qwen3, fmt: str, keep_8bit: set[str] = frozenset(), 
     head = Int8PerTokenLinear if fmt == "int8-per-token" else Int8WeightLinear
     model.head = head(model.head_weight, None, dtype)
     model.weight_format = fmt
+    return model
+
+
+def _kquant_map(layers: list[nn.Linear], blocks: list[KQuantWeight | None], dtype: torch.dtype) -> nn.Module:
+    """`layers` (same input; their outputs concatenated) as one k-quant map: each from its GGUF blocks where given,
+    else re-quantized to Q4_K from its dense weight. An input size the blocks cannot take (not a multiple of 256)
+    gives int8-weight-only maps instead (row-invariant too)."""
+    if not kquant.supported(layers[0].out_features, layers[0].in_features):
+        return _fused(layers, "int8-weight-only", dtype) if len(layers) > 1 else format_linear(
+            layers[0], "int8-weight-only", dtype)
+    weights = [given if given is not None else q4k_from_dense(layer.weight) for layer, given in zip(layers, blocks)]
+    parts: list[list[KQuantWeight]] = []
+    for weight in weights:  # consecutive weights of one kind share a kernel call
+        if parts and parts[-1][0].kind == weight.kind:
+            parts[-1].append(weight)
+        else:
+            parts.append([weight])
+    biases = [layer.bias for layer in layers]
+    bias = None if biases[0] is None else torch.cat([b.detach().float() for b in biases])
+    return KQuantLinear([concatenated(group) for group in parts], bias, dtype)
+
+
+def quantize_gguf(model: Qwen3, blocks: dict[str, KQuantWeight], fuse: bool) -> Qwen3:
+    """Format `gguf`: every projection and the LM head as k-quant maps (kernels/kquant.py) holding the source GGUF's
+    own blocks (`blocks`, by module name; a module missing there is re-quantized to Q4_K from its dense weight, the
+    head to Q6_K, as for a model with no GGUF source). fuse: q/k/v and gate/up as one map each (a target)."""
+    dtype = model.embed_tokens.weight.dtype
+    groups = ((("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
+              if fuse else ())
+    for index, layer in enumerate(model.layers):
+        for parent_name, fused_name, names in groups:
+            parent = getattr(layer, parent_name)
+            setattr(parent, fused_name, _kquant_map(
+                [getattr(parent, name) for name in names],
+                [blocks.get(f"layers.{index}.{parent_name}.{name}") for name in names], dtype))
+            for name in names:
+                delattr(parent, name)
+        for parent_name in ("self_attn", "mlp"):
+            parent = getattr(layer, parent_name)
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(parent, name, _kquant_map([child], [blocks.get(f"layers.{index}.{parent_name}.{name}")],
+                                                      dtype))
+    head = blocks.get("lm_head")
+    head_layer = nn.Linear(model.cfg.hidden_size, model.cfg.vocab_size, bias=False, device="meta")
+    head_layer.weight = nn.Parameter(model.head_weight.detach(), requires_grad=False)
+    if head is None and kquant.supported(*model.head_weight.shape):
+        head = q6k_from_dense(model.head_weight)
+    model.head = _kquant_map([head_layer], [head], dtype)
+    model.weight_format = "gguf"
     return model
 
 
@@ -237,7 +324,8 @@ def choose_format(cfg: Qwen3Config, dtype: torch.dtype, four_bit_source: bool,
     dense weights are faster still (a CPU whose quantized kernels are slow in this dtype, e.g. float32 activations
     without native bf16: then `none`, and greedy speculation is no longer bitwise the target's; logged). Returns
     the choice and the seconds measured per candidate (logged)."""
-    candidates = ["int8-weight-only", "int8-per-token"] + (["int4-weight-only"] if four_bit_source else [])
+    four_bit = ["int4-weight-only"] + (["gguf"] if kquant.available() else [])
+    candidates = ["int8-weight-only", "int8-per-token"] + (four_bit if four_bit_source else [])
     seconds = formats_seconds(cfg, [*candidates, "none"], dtype, fused=fused)
     best = min(candidates, key=seconds.get)
     if seconds["none"] < seconds[best]:
@@ -269,6 +357,11 @@ def apply_weight_format(model: Qwen3, fmt: str, folder: Path | None, embedded: b
         return quantize_int8(model)
     if fmt == "int8-per-token":
         smooth_for_per_token(model, folder, keep=not embedded)
+    if fmt == "gguf":
+        gguf = source_gguf(folder) if folder is not None else None
+        model = quantize_gguf(model, gguf_blocks(gguf) if gguf is not None else {}, fuse=verifies)
+        model.row_invariant_attention = verifies
+        return model
     if fmt in ROW_INVARIANT:
         model = quantize_weights(model, fmt, higher_precision_modules(folder) if fmt == "int4-weight-only" else set(),
                                  fuse=verifies)

@@ -115,12 +115,14 @@ def test_int8_needs_float32_on_cpu():
     assert ModelConfig(quantize="int8").dtype == "auto"
 
 
-@pytest.mark.parametrize("weight_format", ["int8-weight-only", "int4-weight-only", "int8-per-token"])
+@pytest.mark.parametrize("weight_format", ["int8-weight-only", "int4-weight-only", "int8-per-token", "gguf"])
 def test_greedy_identical_in_bf16_weight_formats(weight_format, verification):
     """bf16 (logits rounded coarsely, so near-ties are common): a target in a row-invariant weight format, verifying
     chains and trees, gives ar's tokens exactly over many prompts (kernels/quantized.py, attend_row_by_row)."""
     from evospec.model.weight_formats import apply_weight_format
-    target, draft = random_pair(vocab=256, seed=11, eos=1, hidden=128, target_layers=3)
+    # gguf's blocks take whole super-blocks of 256 inputs (narrower maps fall back to int8)
+    target, draft = random_pair(vocab=256, seed=11, eos=1, hidden=256 if weight_format == "gguf" else 128,
+                                target_layers=3)
     target = apply_weight_format(target.to(torch.bfloat16), weight_format, None)
     decoder = SpeculativeDecoder(target, draft, static_ids=torch.arange(256))
     sampling = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -1,0 +1,167 @@
+/* Matrix products on GGUF k-quant weight blocks (Q4_K, Q6_K) times int8 activation blocks (Q8_K), for a CPU
+ * with AVX2. Built at first use by kernels/kquant.py (gcc -O3 -march=native -fopenmp) and called through ctypes.
+ *
+ * Weights are kept as llama.cpp quantized them, unpacked only where that makes the inner loop simpler:
+ *   Q4_K, per output row and super-block of 256 inputs: float d, dmin; 8 sub-blocks of 32 with 6-bit scale sc[j]
+ *     and min mn[j] (one byte each here); 128 bytes of nibbles in ggml's order (byte i of chunk c holds input
+ *     64c + i in its low nibble and 64c + 32 + i in its high one). w = d * sc[j] * q - dmin * mn[j].
+ *   Q6_K, per output row and super-block: float d; 16 sub-blocks of 16 with int8 scale sc[k]; 256 values q in
+ *     0..63 (one byte each here). w = d * sc[k] * (q - 32).
+ * Activations, per row and super-block: float da; int8 a (round(x / da), da = max|x| / 127); the sums of a over
+ * each 16 inputs (bsum16) and each 32 (bsum32).
+ *
+ * Row invariance: out[m][n] is computed by the same operations in the same order whatever the number of rows M
+ * (rows never share accumulators; the integer sums are exact; the float sums run over super-blocks in order, then
+ * one fixed horizontal sum), and threads split the output columns n only. So a k-row verify forward gives each
+ * row bitwise the logits a 1-row decode gives it.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QK 256
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline float hsum4(__m128 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* x [M, K] float32 -> a [M, K] int8, da [M, K/256], bsum16 [M, K/16], bsum32 [M, K/32] (int16). */
+void quantize_rows_q8k(const float *x, int64_t M, int64_t K, int8_t *a, float *da, int16_t *bsum16,
+                       int16_t *bsum32) {
+    const int64_t nb = K / QK;
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xs = x + m * K + b * QK;
+            int8_t *as = a + m * K + b * QK;
+            float amax = 0.0f;
+            for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xs[i]));
+            const float d = amax / 127.0f;
+            const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+            da[m * nb + b] = d;
+            for (int i = 0; i < QK; i++) {
+                int v = (int)nearbyintf(xs[i] * inv);
+                as[i] = (int8_t)(v > 127 ? 127 : (v < -127 ? -127 : v));
+            }
+            for (int k = 0; k < QK / 16; k++) {
+                int s = 0;
+                for (int i = 0; i < 16; i++) s += as[16 * k + i];
+                bsum16[m * (K / 16) + b * 16 + k] = (int16_t)s;
+            }
+            for (int j = 0; j < QK / 32; j++)
+                bsum32[m * (K / 32) + b * 8 + j] = (int16_t)(bsum16[m * (K / 16) + b * 16 + 2 * j] +
+                                                             bsum16[m * (K / 16) + b * 16 + 2 * j + 1]);
+        }
+    }
+}
+
+/* out[m, n] (row stride ldo) = sum_k W[n, k] x[m, k] (+ bias[n]) for Q4_K weights.
+ * qs [N, K/2] nibbles, sc and mn [N, K/32] uint8, d and dmin [N, K/256]. */
+void matmul_q4k(const uint8_t *qs, const uint8_t *sc, const uint8_t *mn, const float *d, const float *dmin,
+                const float *bias, int64_t N, int64_t K, const int8_t *a, const float *da, const int16_t *bsum32,
+                int64_t M, float *out, int64_t ldo, int threads) {
+    const int64_t nb = K / QK;
+#pragma omp parallel num_threads(threads)
+    {
+    __m256 *facc = aligned_alloc(32, sizeof(__m256) * M);
+    __m128 *macc = aligned_alloc(16, sizeof(__m128) * M);
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t m = 0; m < M; m++) {
+            facc[m] = _mm256_setzero_ps();
+            macc[m] = _mm_setzero_ps();
+        }
+        const __m256i low4 = _mm256_set1_epi8(0x0F);
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *q = qs + n * (K / 2) + b * (QK / 2);
+            const uint8_t *scb = sc + n * (K / 32) + b * 8;
+            const uint8_t *mnb = mn + n * (K / 32) + b * 8;
+            __m256i w[8], s[8];
+            for (int c = 0; c < 4; c++) {
+                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
+                w[2 * c] = _mm256_and_si256(bytes, low4);
+                w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+                s[2 * c] = _mm256_set1_epi16(scb[2 * c]);
+                s[2 * c + 1] = _mm256_set1_epi16(scb[2 * c + 1]);
+            }
+            const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mnb));
+            const float wd = d[n * nb + b], wdmin = dmin[n * nb + b];
+            for (int64_t m = 0; m < M; m++) {
+                const int8_t *am = a + m * K + b * QK;
+                __m256i isum = _mm256_setzero_si256();
+                for (int j = 0; j < 8; j++) {
+                    const __m256i p = _mm256_maddubs_epi16(w[j], _mm256_loadu_si256((const __m256i *)(am + 32 * j)));
+                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, s[j]));
+                }
+                const float scale = wd * da[m * nb + b];
+                facc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(scale), facc[m]);
+                const __m128i bs = _mm_loadu_si128((const __m128i *)(bsum32 + m * (K / 32) + b * 8));
+                const __m128i msum = _mm_madd_epi16(mins, bs);
+                macc[m] = _mm_fmadd_ps(_mm_cvtepi32_ps(msum), _mm_set1_ps(wdmin * da[m * nb + b]), macc[m]);
+            }
+        }
+        const float bn = bias ? bias[n] : 0.0f;
+        for (int64_t m = 0; m < M; m++) out[m * ldo + n] = (hsum8(facc[m]) - hsum4(macc[m])) + bn;
+    }
+    free(facc);
+    free(macc);
+    }
+}
+
+/* The same for Q6_K weights: q [N, K] uint8 in 0..63, sc [N, K/16] int8, d [N, K/256]. */
+void matmul_q6k(const uint8_t *q, const int8_t *sc, const float *d, const float *bias, int64_t N, int64_t K,
+                const int8_t *a, const float *da, const int16_t *bsum16, int64_t M, float *out, int64_t ldo,
+                int threads) {
+    const int64_t nb = K / QK;
+#pragma omp parallel num_threads(threads)
+    {
+    __m256 *facc = aligned_alloc(32, sizeof(__m256) * M);
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t m = 0; m < M; m++) facc[m] = _mm256_setzero_ps();
+        /* Within a 128-bit lane, bytes 0-7 take scale 0 and bytes 8-15 scale 1 of a pair of sub-blocks. */
+        const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                              2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *qb = q + n * K + b * QK;
+            const int8_t *scb = sc + n * (K / 16) + b * 16;
+            __m256i w[8], s[8];
+            for (int c = 0; c < 8; c++) {
+                /* 32 values = 2 sub-blocks of 16; maddubs pairs them into 16 int16 lanes, 8 per sub-block. */
+                w[c] = _mm256_loadu_si256((const __m256i *)(qb + 32 * c));
+                int32_t four = 0;
+                memcpy(&four, scb + 2 * c, 2);
+                const __m128i two = _mm_shuffle_epi8(_mm_cvtsi32_si128(four), _mm256_castsi256_si128(pick));
+                s[c] = _mm256_cvtepi8_epi16(two);
+            }
+            const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scb));
+            const float wd = d[n * nb + b];
+            for (int64_t m = 0; m < M; m++) {
+                const int8_t *am = a + m * K + b * QK;
+                __m256i isum = _mm256_setzero_si256();
+                for (int c = 0; c < 8; c++) {
+                    const __m256i p = _mm256_maddubs_epi16(w[c], _mm256_loadu_si256((const __m256i *)(am + 32 * c)));
+                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, s[c]));
+                }
+                /* minus 32 * sum_k sc[k] * bsum16[k]: the offset of q */
+                const __m256i bs = _mm256_loadu_si256((const __m256i *)(bsum16 + m * (K / 16) + b * 16));
+                isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(scales16, bs), 5));
+                facc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(wd * da[m * nb + b]), facc[m]);
+            }
+        }
+        const float bn = bias ? bias[n] : 0.0f;
+        for (int64_t m = 0; m < M; m++) out[m * ldo + n] = hsum8(facc[m]) + bn;
+    }
+    free(facc);
+    }
+}

@@ -1,0 +1,165 @@
+"""The `gguf` weight format (kernels/kquant.py, kernels/kquant.c, model/weight_formats.py): GGUF Q4_K / Q6_K blocks
+read as the gguf package reads them, products close to the dequantized weights', every output row computed on its
+own (k rows give bitwise what 1 row gives, for the real pair's shapes), and a target in the format verifying with
+the 1-token decodes' logits and ar's greedy tokens."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from evospec.kernels import kquant
+from evospec.kernels.kquant import (KQuantLinear, q4k_from_dense, q4k_from_gguf, q6k_from_dense, q6k_from_gguf)
+
+pytestmark = pytest.mark.skipif(not kquant.available(), reason="the k-quant kernel needs AVX2 and gcc")
+
+# The real target's shapes (Qwen2.5-Coder-1.5B: q, k/v, o, down, fused q/k/v and gate/up) and a head slice.
+SHAPES = [(1536, 1536), (256, 1536), (1536, 8960), (2048, 1536), (17920, 1536), (4096, 1536), (8, 256)]
+
+
+def random_blocks(rows: int, in_features: int, kind: str, seed: int = 0) -> np.ndarray:
+    """Raw GGUF bytes of a `kind` ("Q4_K", "Q6_K") weight: random quants and scales, small positive float16 d."""
+    rng = np.random.default_rng(seed)
+    size = kquant.Q4K_BLOCK_BYTES if kind == "Q4_K" else kquant.Q6K_BLOCK_BYTES
+    blocks = rng.integers(0, 256, (rows, in_features // kquant.QK, size), dtype=np.uint8)
+    scale = rng.uniform(1e-4, 1e-3, (rows, in_features // kquant.QK)).astype(np.float16)
+    fields = [slice(0, 2), slice(2, 4)] if kind == "Q4_K" else [slice(208, 210)]  # d, dmin / d
+    for field in fields:
+        blocks[..., field] = scale[..., None].view(np.uint8).reshape(*scale.shape, 2)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_gguf_blocks_hold_the_weights_the_gguf_package_reads(kind):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    raw = random_blocks(24, 512, kind)
+    ours = (q4k_from_gguf if kind == "Q4_K" else q6k_from_gguf)(raw, 24).dequantized()
+    theirs = dequantize(raw, GGMLQuantizationType[kind]).reshape(24, 512)
+    assert torch.equal(ours, torch.from_numpy(theirs.astype(np.float32)))
+
+
+@pytest.mark.parametrize("quantize,bound", [(q4k_from_dense, 0.1), (q6k_from_dense, 0.03)])
+def test_dense_weights_quantize_with_the_error_of_their_bits(quantize, bound):
+    weight = torch.randn(64, 512) * 0.02
+    error = (quantize(weight).dequantized() - weight).norm() / weight.norm()
+    assert 0 < error < bound
+
+
+@pytest.mark.parametrize("kind", ["q4k", "q6k", "mixed"])
+def test_products_are_the_dequantized_weights_times_int8_activations(kind):
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(96, 768) * 0.02, torch.randn(32, 768) * 0.02
+    parts = {"q4k": [q4k_from_dense(torch.cat([w1, w2]))], "q6k": [q6k_from_dense(torch.cat([w1, w2]))],
+             "mixed": [q4k_from_dense(w1), q6k_from_dense(w2)]}[kind]
+    bias = torch.randn(128)
+    layer = KQuantLinear(parts, bias, torch.float32)
+    x = torch.randn(5, 768)
+    reference = x @ layer.dequantized().T + bias
+    error = (layer(x) - reference).norm() / reference.norm()
+    assert error < 0.02  # int8 activations per 256 inputs: ~0.4% measured; a wrong block or scale is ~100%
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{o}x{i}" for o, i in SHAPES])
+def test_kernel_rows_are_computed_independently(shape, dtype):
+    out_features, in_features = shape
+    torch.manual_seed(out_features + in_features)
+    weight = torch.randn(out_features, in_features) * in_features ** -0.5
+    split = out_features // 4 * 3  # a Q4_K part then a Q6_K one, as a fused q/k/v with v in Q6_K
+    layer = KQuantLinear([q4k_from_dense(weight[:split]), q6k_from_dense(weight[split:])],
+                         torch.randn(out_features), dtype)
+    x = torch.randn(40, in_features, dtype=dtype)
+    one_at_a_time = torch.cat([layer(x[i:i + 1]) for i in range(40)])
+    for k in (2, 3, 5, 8, 16, 40):
+        assert torch.equal(layer(x[:k]), one_at_a_time[:k]), f"{k} rows round differently from 1"
+
+
+def test_threads_split_columns_only():
+    layer = KQuantLinear([q4k_from_dense(torch.randn(300, 512))], None, torch.float32)
+    x = torch.randn(3, 512)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = layer(x)
+        torch.set_num_threads(2)
+        assert torch.equal(layer(x), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_gguf_format_reads_a_gguf_file_as_stored(tmp_path):
+    """gguf_index / gguf_blocks on a file written by the gguf package: each projection's blocks as stored."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from evospec.model.weight_formats import gguf_blocks, gguf_index, gguf_types
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    raws = {"blk.0.attn_q.weight": ("Q4_K", random_blocks(16, 256, "Q4_K", 1)),
+            "blk.0.ffn_down.weight": ("Q6_K", random_blocks(8, 512, "Q6_K", 2)),
+            "output.weight": ("Q6_K", random_blocks(32, 256, "Q6_K", 3))}
+    for name, (kind, raw) in raws.items():
+        kind_enum = gguf.GGMLQuantizationType[kind]
+        writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=kind_enum)
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(256, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert gguf_types(path) == {"layers.0.self_attn.q_proj": "Q4_K", "layers.0.mlp.down_proj": "Q6_K",
+                                "lm_head": "Q6_K"}
+    assert (tmp_path / "tiny.gguf.index.json").exists() and gguf_index(path)["lm_head"]["rows"] == 32
+    blocks = gguf_blocks(path)
+    for ours, (name, (kind, raw)) in zip(["layers.0.self_attn.q_proj", "layers.0.mlp.down_proj", "lm_head"],
+                                         raws.items()):
+        expected = dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(raw.shape[0], -1)
+        assert torch.equal(blocks[ours].dequantized(), torch.from_numpy(expected.astype(np.float32))), name
+
+
+def _qwen2_config():
+    from evospec.model.qwen3 import Qwen3Config
+    return Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, attention_bias=True, qk_norm=False,
+                       tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_target_in_gguf_verifies_with_the_decodes_logits(dtype):
+    """Every projection and the head in k-quant blocks (shapes of whole super-blocks): k verify rows give bitwise
+    the logits of k 1-token decodes; the model really runs the kernel (not a fallback)."""
+    from evospec.kernels.tree import chain_then_tree_mask
+    from evospec.model.weight_formats import apply_weight_format
+    from evospec.testing import random_qwen3
+    model = apply_weight_format(random_qwen3(_qwen2_config(), seed=6, dtype=dtype), "gguf", None)
+    assert model.weight_format == "gguf" and model.row_invariant_attention
+    maps = [model.layers[0].self_attn.qkv_proj, model.layers[0].self_attn.o_proj, model.layers[0].mlp.gate_up_proj,
+            model.layers[0].mlp.down_proj, model.head]
+    assert all(type(m) is KQuantLinear for m in maps) and model.head.kinds == ["q6k"]
+    ids = torch.randint(0, 512, (14,), generator=torch.Generator().manual_seed(1))
+    cache = model.new_cache(20)
+    model(ids[:8], torch.arange(8), cache, chain_then_tree_mask(0, 8, None))
+    cache.advance(8)
+    verify = model.full_logits(model(ids[8:], torch.arange(8, 14), cache, chain_then_tree_mask(8, 6, None)))
+    for i in range(8, 14):
+        hidden = model(ids[i:i + 1], torch.tensor([i]), cache, chain_then_tree_mask(i, 1, None))
+        cache.advance(1)
+        assert torch.equal(model.full_logits(hidden)[0], verify[i - 8]), f"row {i - 8}"
+
+
+def test_an_unsupported_input_size_falls_back_to_int8():
+    from evospec.kernels.quantized import Int8WeightLinear
+    from evospec.model.weight_formats import format_linear
+    assert type(format_linear(nn.Linear(384, 64), "gguf", torch.float32)) is Int8WeightLinear
+    assert type(format_linear(nn.Linear(512, 64), "gguf", torch.float32)) is KQuantLinear
+
+
+def test_a_machine_without_the_kernel_fails_naming_the_field(monkeypatch):
+    from evospec.model.weight_formats import WeightFormatError, check_runs_here
+
+    def unavailable():
+        raise kquant.KQuantUnavailable("the k-quant kernel is built on first use and needs a C compiler (gcc)")
+    monkeypatch.setattr(kquant, "library", unavailable)
+    with pytest.raises(WeightFormatError, match=r"^model.quantize: gguf cannot run on this CPU \(ISA .*gcc"):
+        check_runs_here("gguf", torch.device("cpu"), torch.float32)
