@@ -311,12 +311,12 @@ def run_in_process_ar(cfg, prompt_sets, args, started: float, report: dict) -> N
     from evospec.engine.generate import SpeculativeDecoder
     from evospec.engine.runner import SchedulerThread
     from evospec.engine.scheduler import Scheduler
-    from evospec.loading import apply_torch_threads, load_model, stop_token_ids
+    from evospec.loading import apply_torch_threads, in_passing_thread, load_model, stop_token_ids
     from evospec.tokenizer import load_tokenizer
     progress("in process: loading the target", started)
     apply_torch_threads(cfg.target.model.torch_threads)
     load_start = time.perf_counter()
-    model, folder = load_model(cfg.target.model, "target")
+    model, folder = in_passing_thread(lambda: load_model(cfg.target.model, "target"))  # as the service loads
     tokenizer = load_tokenizer(str(folder))
     decoder = SpeculativeDecoder(model, None, max_model_len=cfg.target.max_model_len, eos_ids=stop_token_ids(folder))
     scheduler = Scheduler(decoder, cfg.target.scheduler.model_copy(update={"adaptive": False}))

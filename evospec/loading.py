@@ -6,8 +6,10 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import torch
 
@@ -28,6 +30,7 @@ STORE_PREFIX = "store:"  # ModelConfig.path "store:<pair>/<role>" = a pair fetch
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 (AVX512-BF16, AMX-BF16) and arm64 (/proc/cpuinfo)
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -94,6 +97,31 @@ def apply_torch_threads(threads: int | None) -> None:
     2-core box; a configured thread count overrides it."""
     if threads:
         torch.set_num_threads(threads)
+
+
+def in_passing_thread(work: Callable[[], T], name: str = "evospec-load") -> T:
+    """`work()` run in a thread of its own that ends when it returns (its result returned, its exception raised here).
+
+    Why: OpenMP (torch's CPU threads) keeps a team of worker threads for each thread that ran parallel work, for as
+    long as that thread lives. When the teams hold more threads than the machine has CPUs, libgomp stops
+    spin-waiting between parallel regions and every region pays a sleep and wake-up: a 1.5B decode step run by an
+    engine thread took 60-100 ms instead of 41-45 ms (2-core AMD EPYC, torch 2.13) because another thread had
+    loaded and warmed up the model. Loading, kernel choices and warm-up run here, so when the thread ends its team
+    goes with it and the engine's thread is the only one left with one (docs/deploy.md, "One compute thread")."""
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = work()
+        except BaseException as err:  # handed to the caller
+            box["error"] = err
+
+    thread = threading.Thread(target=run, name=name)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 def apply_cpu_settings(cfg: ModelConfig) -> None:

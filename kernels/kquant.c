@@ -22,6 +22,13 @@
 #include <string.h>
 
 #define QK 256
+/* AVX512-VNNI: 64 weight bytes times 64 activation bytes per maddubs + dpwssd; else AVX2's maddubs + madd on 32. The results are
+ * the same integers either way (exact sums); a machine always runs one build. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(KQ_FORCE_AVX2)
+#define KQ_AVX512 1
+#else
+#define KQ_AVX512 0
+#endif
 
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -44,14 +51,25 @@ void quantize_rows_q8k(const float *x, int64_t M, int64_t K, int8_t *a, float *d
         for (int64_t b = 0; b < nb; b++) {
             const float *xs = x + m * K + b * QK;
             int8_t *as = a + m * K + b * QK;
-            float amax = 0.0f;
-            for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xs[i]));
+            const __m256 sign = _mm256_set1_ps(-0.0f);
+            __m256 vmax = _mm256_setzero_ps();
+            for (int i = 0; i < QK; i += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xs + i)));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float amax = _mm_cvtss_f32(m4);
             const float d = amax / 127.0f;
-            const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+            const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
             da[m * nb + b] = d;
-            for (int i = 0; i < QK; i++) {
-                int v = (int)nearbyintf(xs[i] * inv);
-                as[i] = (int8_t)(v > 127 ? 127 : (v < -127 ? -127 : v));
+            /* round to nearest (even), then pack 4 x 8 int32 into 32 int8 in order (packs work per 128-bit lane) */
+            const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+            for (int i = 0; i < QK; i += 32) {
+                __m256i v[4];
+                for (int j = 0; j < 4; j++)
+                    v[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xs + i + 8 * j), inv),
+                                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+                _mm256_storeu_si256((__m256i *)(as + i), _mm256_permutevar8x32_epi32(packed, order));
             }
             for (int k = 0; k < QK / 16; k++) {
                 int s = 0;
@@ -86,6 +104,19 @@ void matmul_q4k(const uint8_t *qs, const uint8_t *sc, const uint8_t *mn, const f
             const uint8_t *q = qs + n * (K / 2) + b * (QK / 2);
             const uint8_t *scb = sc + n * (K / 32) + b * 8;
             const uint8_t *mnb = mn + n * (K / 32) + b * 8;
+#if KQ_AVX512
+            /* 512 bits = one 32-byte chunk: its low nibbles (sub-block 2c) then its high ones (2c + 1); maddubs sums
+             * pairs of products into int16 lanes (0-15 in sub-block 2c, 16-31 in 2c + 1) and dpwssd adds each pair
+             * of lanes times its sub-block's scale into an int32 lane. */
+            __m512i w[4], s[4];
+            for (int c = 0; c < 4; c++) {
+                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
+                w[c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, low4)),
+                                          _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4), 1);
+                s[c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(scb[2 * c])),
+                                          _mm256_set1_epi16(scb[2 * c + 1]), 1);
+            }
+#else
             __m256i w[8], s[8];
             for (int c = 0; c < 4; c++) {
                 const __m256i bytes = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
@@ -94,15 +125,26 @@ void matmul_q4k(const uint8_t *qs, const uint8_t *sc, const uint8_t *mn, const f
                 s[2 * c] = _mm256_set1_epi16(scb[2 * c]);
                 s[2 * c + 1] = _mm256_set1_epi16(scb[2 * c + 1]);
             }
+#endif
             const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mnb));
             const float wd = d[n * nb + b], wdmin = dmin[n * nb + b];
             for (int64_t m = 0; m < M; m++) {
                 const int8_t *am = a + m * K + b * QK;
+#if KQ_AVX512
+                __m512i isum512 = _mm512_setzero_si512();
+                for (int c = 0; c < 4; c++) {
+                    const __m512i p = _mm512_maddubs_epi16(w[c], _mm512_loadu_si512((const void *)(am + 64 * c)));
+                    isum512 = _mm512_dpwssd_epi32(isum512, p, s[c]);
+                }
+                const __m256i isum = _mm256_add_epi32(_mm512_castsi512_si256(isum512),
+                                                      _mm512_extracti64x4_epi64(isum512, 1));
+#else
                 __m256i isum = _mm256_setzero_si256();
                 for (int j = 0; j < 8; j++) {
                     const __m256i p = _mm256_maddubs_epi16(w[j], _mm256_loadu_si256((const __m256i *)(am + 32 * j)));
                     isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, s[j]));
                 }
+#endif
                 const float scale = wd * da[m * nb + b];
                 facc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(scale), facc[m]);
                 const __m128i bs = _mm_loadu_si128((const __m128i *)(bsum32 + m * (K / 32) + b * 8));
@@ -130,11 +172,30 @@ void matmul_q6k(const uint8_t *q, const int8_t *sc, const float *d, const float 
     for (int64_t n = 0; n < N; n++) {
         for (int64_t m = 0; m < M; m++) facc[m] = _mm256_setzero_ps();
         /* Within a 128-bit lane, bytes 0-7 take scale 0 and bytes 8-15 scale 1 of a pair of sub-blocks. */
+#if KQ_AVX512
+        const __m128i spread_lo = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        const __m128i spread_hi = _mm_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+#else
+        /* Within a 128-bit lane, bytes 0-7 take scale 0 and bytes 8-15 scale 1 of a pair of sub-blocks. */
         const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                               2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+#endif
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *qb = q + n * K + b * QK;
             const int8_t *scb = sc + n * (K / 16) + b * 16;
+#if KQ_AVX512
+            /* 64 values = 4 sub-blocks of 16; maddubs gives 8 int16 lanes per sub-block, each pair times its scale
+             * into an int32 lane (dpwssd). */
+            __m512i w[4], s[4];
+            for (int c = 0; c < 4; c++) {
+                w[c] = _mm512_loadu_si512((const void *)(qb + 64 * c));
+                int32_t four;
+                memcpy(&four, scb + 4 * c, 4);
+                const __m128i scales4 = _mm_cvtsi32_si128(four);
+                s[c] = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_shuffle_epi8(scales4, spread_hi),
+                                                             _mm_shuffle_epi8(scales4, spread_lo)));
+            }
+#else
             __m256i w[8], s[8];
             for (int c = 0; c < 8; c++) {
                 /* 32 values = 2 sub-blocks of 16; maddubs pairs them into 16 int16 lanes, 8 per sub-block. */
@@ -144,15 +205,26 @@ void matmul_q6k(const uint8_t *q, const int8_t *sc, const float *d, const float 
                 const __m128i two = _mm_shuffle_epi8(_mm_cvtsi32_si128(four), _mm256_castsi256_si128(pick));
                 s[c] = _mm256_cvtepi8_epi16(two);
             }
+#endif
             const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scb));
             const float wd = d[n * nb + b];
             for (int64_t m = 0; m < M; m++) {
                 const int8_t *am = a + m * K + b * QK;
+#if KQ_AVX512
+                __m512i isum512 = _mm512_setzero_si512();
+                for (int c = 0; c < 4; c++) {
+                    const __m512i p = _mm512_maddubs_epi16(w[c], _mm512_loadu_si512((const void *)(am + 64 * c)));
+                    isum512 = _mm512_dpwssd_epi32(isum512, p, s[c]);
+                }
+                __m256i isum = _mm256_add_epi32(_mm512_castsi512_si256(isum512),
+                                                _mm512_extracti64x4_epi64(isum512, 1));
+#else
                 __m256i isum = _mm256_setzero_si256();
                 for (int c = 0; c < 8; c++) {
                     const __m256i p = _mm256_maddubs_epi16(w[c], _mm256_loadu_si256((const __m256i *)(am + 32 * c)));
                     isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, s[c]));
                 }
+#endif
                 /* minus 32 * sum_k sc[k] * bsum16[k]: the offset of q */
                 const __m256i bs = _mm256_loadu_si256((const __m256i *)(bsum16 + m * (K / 16) + b * 16));
                 isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(scales16, bs), 5));

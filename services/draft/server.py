@@ -20,7 +20,7 @@ from evospec.config import DRAFTING_METHODS, SamplingParams, SpecParams, clip_de
 from evospec.engine.draft import DraftEngine, DraftSession
 from evospec.engine.drafter import DraftRequest
 from evospec.errors import InvalidRequestError, OverloadedError
-from evospec.loading import apply_cpu_settings, load_cooc, load_model, load_static_ids
+from evospec.loading import apply_cpu_settings, in_passing_thread, load_cooc, load_model, load_static_ids
 from evospec.services.config import DraftServiceConfig
 from evospec.tree import DraftTree
 from evospec.verify import VerifyResult
@@ -83,14 +83,19 @@ class DraftServer:
     @classmethod
     def from_config(cls, cfg: DraftServiceConfig) -> "DraftServer":
         apply_cpu_settings(cfg.model)
-        model, folder = load_model(cfg.model, "draft")
-        static_ids, sha = load_static_ids(cfg.static_vocab)
-        policies = VocabPolicies(model.head_weight, static_ids, load_cooc(cfg.cooc),
-                                 max_cache_bytes=int(cfg.policy_cache_mb * 2**20))
-        learner = build_learner(model, cfg.adapt)  # before the head rows are gathered: LoRA wraps the layers only
-        server = cls(DraftEngine(model, learner), policies, sha, str(Path(folder)), cfg.max_kv_tokens,
-                     cfg.predraft_hypotheses)
-        server.warm_up()
+
+        def load() -> "DraftServer":  # every start-up forward, in a thread that ends (loading.in_passing_thread)
+            model, folder = load_model(cfg.model, "draft")
+            static_ids, sha = load_static_ids(cfg.static_vocab)
+            policies = VocabPolicies(model.head_weight, static_ids, load_cooc(cfg.cooc),
+                                     max_cache_bytes=int(cfg.policy_cache_mb * 2**20))
+            learner = build_learner(model, cfg.adapt)  # before the head rows are gathered: LoRA wraps the layers only
+            server = cls(DraftEngine(model, learner), policies, sha, str(Path(folder)), cfg.max_kv_tokens,
+                         cfg.predraft_hypotheses)
+            server.warm_up()
+            return server
+        server = in_passing_thread(load, "draft-load")
+        learner = server.learner
         if learner is not None:
             learner.start()
         return server

@@ -29,7 +29,9 @@ from evospec.engine.scheduler import Failed, Finished, Scheduler, TokensOut
 from evospec.engine.stats import SpecStats
 from evospec.errors import InvalidRequestError
 from evospec.kernels.linear import linear_orders
-from evospec.loading import apply_cpu_settings, cpu_description, load_model, load_static_ids, stop_token_ids
+from evospec.loading import (
+    apply_cpu_settings, cpu_description, in_passing_thread, load_model, load_static_ids, stop_token_ids,
+)
 from evospec.model import Qwen3
 from evospec.model.qwen3 import forward_seconds
 from evospec.services.common.bearer import check_bearer
@@ -182,9 +184,12 @@ class TargetServer:
     def from_config(cls, cfg: TargetServiceConfig, drafts: DraftSide, metrics: tuple[MetricsSink, ...] = ()
                     ) -> "TargetServer":
         apply_cpu_settings(cfg.model)
-        model, folder = load_model(cfg.model, "target")
         static_ids, sha = load_static_ids(cfg.static_vocab)
-        scheduler = remote_draft_scheduler(model, stop_token_ids(folder), static_ids, sha, cfg, drafts.pool)
+
+        def load() -> tuple[Scheduler, Path]:  # every start-up forward, in a thread that ends (in_passing_thread)
+            model, folder = load_model(cfg.model, "target")
+            return remote_draft_scheduler(model, stop_token_ids(folder), static_ids, sha, cfg, drafts.pool), folder
+        scheduler, folder = in_passing_thread(load, "target-load")
         replica = TargetReplica.serving(scheduler, sha)
         log.info("target linear maps, operand order measured on this machine: %s", linear_orders())
         tokenizer = load_tokenizer(str(folder))

@@ -163,3 +163,4 @@ def test_a_machine_without_the_kernel_fails_naming_the_field(monkeypatch):
     monkeypatch.setattr(kquant, "library", unavailable)
     with pytest.raises(WeightFormatError, match=r"^model.quantize: gguf cannot run on this CPU \(ISA .*gcc"):
         check_runs_here("gguf", torch.device("cpu"), torch.float32)
+
