@@ -1,7 +1,7 @@
 """Weight formats side by side on one machine: speed and quality of the target in each format `model.quantize` offers
 (evospec/model/weight_formats.py), against the same model in float32.
 
-    evospec bench formats                     # the real pair's target: float32, bf16, int8- and int4-weight-only
+    evospec bench formats                     # the real pair's target: float32, bf16 and every quantized format
     evospec bench formats --role draft --formats float32 none int8 int4-weight-only --prompts 4
 
 Per format, in this process, one format loaded at a time (memory):
@@ -14,7 +14,9 @@ Per format, in this process, one format loaded at a time (memory):
   reference, a format's quality loss is its perplexity over float32's).
 
 The model's float32 weights are themselves the dequantized Q4_K_M GGUF they were converted from (docs/models.md),
-so "float32" here is the Q4_K_M model computed exactly; the table says how much each format adds to that. Writes
+so "float32" here is the Q4_K_M model computed in float32 (from weights rounded to bf16 on conversion); the table
+says how much each format adds to that. `gguf` holds the GGUF's own blocks, so its difference is the activations'
+8-bit quantization alone (and the bf16 rounding the reference has and it has not). Writes
 formats.json and formats.md to --out (default results/bench_formats), with the CPU and torch threads.
 """
 from __future__ import annotations
@@ -34,7 +36,7 @@ from evospec.loading import cpu_description, load_qwen3_folder, named_pair_folde
 from evospec.model.qwen3 import Qwen3, forward_seconds
 from evospec.tokenizer import chat_prompt_ids, load_tokenizer
 
-FORMATS = ("float32", "none", "int8-weight-only", "int4-weight-only", "int8-per-token")
+FORMATS = ("float32", "none", "int8-weight-only", "int4-weight-only", "int8-per-token", "gguf")
 
 
 def load_format(folder: Path, fmt: str) -> Qwen3:
@@ -140,7 +142,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--pair", default="qwen2.5-coder")
     ap.add_argument("--role", default="target", choices=["target", "draft"])
     ap.add_argument("--formats", nargs="+", default=list(FORMATS),
-                    choices=["float32", "none", "int8", "int8-weight-only", "int4-weight-only", "int8-per-token", "auto"])
+                    choices=["float32", "none", "int8", "int8-weight-only", "int4-weight-only", "int8-per-token", "gguf",
+                             "auto"])
     ap.add_argument("--prompts", type=int, default=6, help="prompts per set (medical-rag, code)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--ppl-docs", type=int, default=12)

@@ -316,10 +316,13 @@ def run_in_process_ar(cfg, prompt_sets, args, started: float, report: dict) -> N
     progress("in process: loading the target", started)
     apply_torch_threads(cfg.target.model.torch_threads)
     load_start = time.perf_counter()
-    model, folder = in_passing_thread(lambda: load_model(cfg.target.model, "target"))  # as the service loads
+    def load():  # as the service loads: every torch allocation and forward before serving in a thread that ends
+        model, folder = load_model(cfg.target.model, "target")
+        decoder = SpeculativeDecoder(model, None, max_model_len=cfg.target.max_model_len,
+                                     eos_ids=stop_token_ids(folder))
+        return Scheduler(decoder, cfg.target.scheduler.model_copy(update={"adaptive": False})), model, folder
+    scheduler, model, folder = in_passing_thread(load)
     tokenizer = load_tokenizer(str(folder))
-    decoder = SpeculativeDecoder(model, None, max_model_len=cfg.target.max_model_len, eos_ids=stop_token_ids(folder))
-    scheduler = Scheduler(decoder, cfg.target.scheduler.model_copy(update={"adaptive": False}))
     runner = SchedulerThread(scheduler).start()
     report["services"]["in_process"] = {"load_s": round(time.perf_counter() - load_start, 2),
                                         "torch_threads": torch.get_num_threads(),
