@@ -22,6 +22,11 @@
 #include <string.h>
 
 #define QK 256
+/* Work is tiled by TILE_N output columns (their weights stay in L2 while every row tile passes) and TILE_M rows
+ * (their activations stay in L1/L2 while the columns pass): a 256-row prefill chunk reads each weight block from
+ * memory once, not once per row. Tiling changes which (m, n) run when, never the operations of one (m, n). */
+#define TILE_N 16
+#define TILE_M 16
 /* AVX512-VNNI: 64 weight bytes times 64 activation bytes per maddubs + dpwssd; else AVX2's maddubs + madd on 32. The results are
  * the same integers either way (exact sums); a machine always runs one build. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(KQ_FORCE_AVX2)
@@ -89,15 +94,16 @@ void matmul_q4k(const uint8_t *qs, const uint8_t *sc, const uint8_t *mn, const f
                 const float *bias, int64_t N, int64_t K, const int8_t *a, const float *da, const int16_t *bsum32,
                 int64_t M, float *out, int64_t ldo, int threads) {
     const int64_t nb = K / QK;
-#pragma omp parallel num_threads(threads)
-    {
-    __m256 *facc = aligned_alloc(32, sizeof(__m256) * M);
-    __m128 *macc = aligned_alloc(16, sizeof(__m128) * M);
-#pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t m = 0; m < M; m++) {
-            facc[m] = _mm256_setzero_ps();
-            macc[m] = _mm_setzero_ps();
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t block = 0; block < (N + TILE_N - 1) / TILE_N; block++)
+    for (int64_t m0 = 0; m0 < M; m0 += TILE_M)
+    for (int64_t n = block * TILE_N; n < N && n < (block + 1) * TILE_N; n++) {
+        const int64_t mt = M - m0 < TILE_M ? M - m0 : TILE_M;
+        __m256 facc[TILE_M];
+        __m128 macc[TILE_M];
+        for (int64_t i = 0; i < mt; i++) {
+            facc[i] = _mm256_setzero_ps();
+            macc[i] = _mm_setzero_ps();
         }
         const __m256i low4 = _mm256_set1_epi8(0x0F);
         for (int64_t b = 0; b < nb; b++) {
@@ -128,7 +134,8 @@ void matmul_q4k(const uint8_t *qs, const uint8_t *sc, const uint8_t *mn, const f
 #endif
             const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mnb));
             const float wd = d[n * nb + b], wdmin = dmin[n * nb + b];
-            for (int64_t m = 0; m < M; m++) {
+            for (int64_t i = 0; i < mt; i++) {
+                const int64_t m = m0 + i;
                 const int8_t *am = a + m * K + b * QK;
 #if KQ_AVX512
                 __m512i isum512 = _mm512_setzero_si512();
@@ -146,17 +153,14 @@ void matmul_q4k(const uint8_t *qs, const uint8_t *sc, const uint8_t *mn, const f
                 }
 #endif
                 const float scale = wd * da[m * nb + b];
-                facc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(scale), facc[m]);
+                facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(scale), facc[i]);
                 const __m128i bs = _mm_loadu_si128((const __m128i *)(bsum32 + m * (K / 32) + b * 8));
                 const __m128i msum = _mm_madd_epi16(mins, bs);
-                macc[m] = _mm_fmadd_ps(_mm_cvtepi32_ps(msum), _mm_set1_ps(wdmin * da[m * nb + b]), macc[m]);
+                macc[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(msum), _mm_set1_ps(wdmin * da[m * nb + b]), macc[i]);
             }
         }
         const float bn = bias ? bias[n] : 0.0f;
-        for (int64_t m = 0; m < M; m++) out[m * ldo + n] = (hsum8(facc[m]) - hsum4(macc[m])) + bn;
-    }
-    free(facc);
-    free(macc);
+        for (int64_t i = 0; i < mt; i++) out[(m0 + i) * ldo + n] = (hsum8(facc[i]) - hsum4(macc[i])) + bn;
     }
 }
 
@@ -165,12 +169,13 @@ void matmul_q6k(const uint8_t *q, const int8_t *sc, const float *d, const float 
                 const int8_t *a, const float *da, const int16_t *bsum16, int64_t M, float *out, int64_t ldo,
                 int threads) {
     const int64_t nb = K / QK;
-#pragma omp parallel num_threads(threads)
-    {
-    __m256 *facc = aligned_alloc(32, sizeof(__m256) * M);
-#pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t m = 0; m < M; m++) facc[m] = _mm256_setzero_ps();
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t block = 0; block < (N + TILE_N - 1) / TILE_N; block++)
+    for (int64_t m0 = 0; m0 < M; m0 += TILE_M)
+    for (int64_t n = block * TILE_N; n < N && n < (block + 1) * TILE_N; n++) {
+        const int64_t mt = M - m0 < TILE_M ? M - m0 : TILE_M;
+        __m256 facc[TILE_M];
+        for (int64_t i = 0; i < mt; i++) facc[i] = _mm256_setzero_ps();
         /* Within a 128-bit lane, bytes 0-7 take scale 0 and bytes 8-15 scale 1 of a pair of sub-blocks. */
 #if KQ_AVX512
         const __m128i spread_lo = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
@@ -208,7 +213,8 @@ void matmul_q6k(const uint8_t *q, const int8_t *sc, const float *d, const float 
 #endif
             const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scb));
             const float wd = d[n * nb + b];
-            for (int64_t m = 0; m < M; m++) {
+            for (int64_t i = 0; i < mt; i++) {
+                const int64_t m = m0 + i;
                 const int8_t *am = a + m * K + b * QK;
 #if KQ_AVX512
                 __m512i isum512 = _mm512_setzero_si512();
@@ -228,12 +234,10 @@ void matmul_q6k(const uint8_t *q, const int8_t *sc, const float *d, const float 
                 /* minus 32 * sum_k sc[k] * bsum16[k]: the offset of q */
                 const __m256i bs = _mm256_loadu_si256((const __m256i *)(bsum16 + m * (K / 16) + b * 16));
                 isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(scales16, bs), 5));
-                facc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(wd * da[m * nb + b]), facc[m]);
+                facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(wd * da[m * nb + b]), facc[i]);
             }
         }
         const float bn = bias ? bias[n] : 0.0f;
-        for (int64_t m = 0; m < M; m++) out[m * ldo + n] = hsum8(facc[m]) + bn;
-    }
-    free(facc);
+        for (int64_t i = 0; i < mt; i++) out[(m0 + i) * ldo + n] = hsum8(facc[i]) + bn;
     }
 }
