@@ -6,7 +6,7 @@
  *     and min mn[j] (one byte each here); 128 bytes of nibbles in ggml's order (byte i of chunk c holds input
  *     64c + i in its low nibble and 64c + 32 + i in its high one). w = d * sc[j] * q - dmin * mn[j].
  *   Q6_K, per output row and super-block: float d; 16 sub-blocks of 16 with int8 scale sc[k]; 256 values q in
- *     0..63 (one byte each here). w = d * sc[k] * (q - 32).
+ *     0..63, their low 4 bits (ql) and high 2 bits (qh) packed as ggml packs them. w = d * sc[k] * (q - 32).
  * Activations, per row and super-block: float da; int8 a (round(x / da), da = max|x| / 127); the sums of a over
  * each 16 inputs (bsum16) and each 32 (bsum32).
  *
@@ -164,8 +164,25 @@ void matmul_q4k(const uint8_t *qs, const uint8_t *sc, const uint8_t *mn, const f
     }
 }
 
-/* The same for Q6_K weights: q [N, K] uint8 in 0..63, sc [N, K/16] int8, d [N, K/256]. */
-void matmul_q6k(const uint8_t *q, const int8_t *sc, const float *d, const float *bias, int64_t N, int64_t K,
+/* The same for Q6_K weights: ql [N, K/2], qh [N, K/4] (unpack_q6k), sc [N, K/16] int8, d [N, K/256]. */
+/* The 256 values 0..63 of one Q6_K super-block, in input order, as 8 x 32 bytes: ql holds their low 4 bits (128
+ * bytes), qh their high 2 (64 bytes), in ggml's interleaving (per half of 128: ql byte l holds values l and l + 64
+ * in its low and high nibble, ql byte l + 32 values l + 32 and l + 96; qh byte l their high bits, 2 each). */
+static inline void unpack_q6k(const uint8_t *ql, const uint8_t *qh, __m256i v[8]) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; h++) {
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+        const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+        v[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), high2));
+        v[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), high2));
+        v[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(hb, high2));
+        v[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                       _mm256_and_si256(_mm256_srli_epi16(hb, 2), high2));
+    }
+}
+
+void matmul_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const float *d, const float *bias, int64_t N, int64_t K,
                 const int8_t *a, const float *da, const int16_t *bsum16, int64_t M, float *out, int64_t ldo,
                 int threads) {
     const int64_t nb = K / QK;
@@ -186,14 +203,15 @@ void matmul_q6k(const uint8_t *q, const int8_t *sc, const float *d, const float 
                                               2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
 #endif
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *qb = q + n * K + b * QK;
             const int8_t *scb = sc + n * (K / 16) + b * 16;
+            __m256i v[8];
+            unpack_q6k(ql + n * (K / 2) + b * (QK / 2), qh + n * (K / 4) + b * (QK / 4), v);
 #if KQ_AVX512
             /* 64 values = 4 sub-blocks of 16; maddubs gives 8 int16 lanes per sub-block, each pair times its scale
              * into an int32 lane (dpwssd). */
             __m512i w[4], s[4];
             for (int c = 0; c < 4; c++) {
-                w[c] = _mm512_loadu_si512((const void *)(qb + 64 * c));
+                w[c] = _mm512_inserti64x4(_mm512_castsi256_si512(v[2 * c]), v[2 * c + 1], 1);
                 int32_t four;
                 memcpy(&four, scb + 4 * c, 4);
                 const __m128i scales4 = _mm_cvtsi32_si128(four);
@@ -204,7 +222,7 @@ void matmul_q6k(const uint8_t *q, const int8_t *sc, const float *d, const float 
             __m256i w[8], s[8];
             for (int c = 0; c < 8; c++) {
                 /* 32 values = 2 sub-blocks of 16; maddubs pairs them into 16 int16 lanes, 8 per sub-block. */
-                w[c] = _mm256_loadu_si256((const __m256i *)(qb + 32 * c));
+                w[c] = v[c];
                 int32_t four = 0;
                 memcpy(&four, scb + 2 * c, 2);
                 const __m128i two = _mm_shuffle_epi8(_mm_cvtsi32_si128(four), _mm256_castsi256_si128(pick));

@@ -67,13 +67,16 @@ def library() -> ctypes.CDLL:
     compiler = shutil.which(os.environ.get("CC", "gcc"))
     if compiler is None:
         raise KQuantUnavailable("the k-quant kernel is built on first use and needs a C compiler (gcc); none found")
+    # EVOSPEC_KQUANT_AVX2=1 builds the AVX2 path on an AVX512 machine (how its tests run on either kind of CPU)
+    extra = ["-DKQ_FORCE_AVX2"] if os.environ.get("EVOSPEC_KQUANT_AVX2") == "1" else []
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + _cpu_flags().encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + _cpu_flags().encode() + " ".join(extra).encode()).hexdigest()[:16]
     built = cache_dir() / f"kquant-{key}.so"
     if not built.exists():
         built.parent.mkdir(parents=True, exist_ok=True)
         partial = built.with_suffix(f".partial-{os.getpid()}")
-        command = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", str(partial), str(SOURCE)]
+        command = [compiler, "-O3", "-march=native", *extra, "-fopenmp", "-shared", "-fPIC", "-o", str(partial),
+                   str(SOURCE)]
         result = subprocess.run(command, capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise KQuantUnavailable(f"building the k-quant kernel failed: {(result.stderr or '?').splitlines()[0]}")
@@ -86,7 +89,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.quantize_rows_q8k.argtypes = [p, i64, i64, p, p, p, p]
     lib.matmul_q4k.argtypes = [p, p, p, p, p, p, i64, i64, p, p, p, i64, p, i64, i32]
-    lib.matmul_q6k.argtypes = [p, p, p, p, i64, i64, p, p, p, i64, p, i64, i32]
+    lib.matmul_q6k.argtypes = [p, p, p, p, p, i64, i64, p, p, p, i64, p, i64, i32]
     for function in (lib.quantize_rows_q8k, lib.matmul_q4k, lib.matmul_q6k):
         function.restype = None
     return lib
@@ -111,8 +114,9 @@ def supported(out_features: int, in_features: int) -> bool:
 @dataclass
 class KQuantWeight:
     """One weight [out, in] in k-quant blocks, laid out for kquant.c. kind "q4k": values = nibbles [out, in / 2],
-    scales / mins [out, in / 32] uint8, d / dmin [out, in / 256] float32; kind "q6k": values [out, in] uint8 in
-    0..63, scales [out, in / 16] int8, d [out, in / 256] (mins, dmin None)."""
+    scales / mins [out, in / 32] uint8, d / dmin [out, in / 256] float32; kind "q6k": values = the low 4 bits of
+    each value [out, in / 2] and high = its high 2 bits [out, in / 4], packed as the GGUF packs them (q6k_values),
+    scales [out, in / 16] int8, d [out, in / 256]."""
 
     kind: str
     values: torch.Tensor
@@ -120,6 +124,7 @@ class KQuantWeight:
     d: torch.Tensor
     mins: torch.Tensor | None = None
     dmin: torch.Tensor | None = None
+    high: torch.Tensor | None = None
 
     @property
     def out_features(self) -> int:
@@ -127,13 +132,13 @@ class KQuantWeight:
 
     @property
     def in_features(self) -> int:
-        return self.values.shape[1] * (2 if self.kind == "q4k" else 1)
+        return self.values.shape[1] * 2
 
     def tensors(self) -> dict[str, torch.Tensor]:
         named = {"values": self.values, "scales": self.scales, "d": self.d}
         if self.kind == "q4k":
-            named |= {"mins": self.mins, "dmin": self.dmin}
-        return named
+            return named | {"mins": self.mins, "dmin": self.dmin}
+        return named | {"high": self.high}
 
     def dequantized(self) -> torch.Tensor:
         """The dense weight [out, in] (float32) these blocks hold."""
@@ -145,9 +150,30 @@ class KQuantWeight:
             dmin = self.dmin.repeat_interleave(8, dim=1)
             w = d[..., None] * self.scales.float()[..., None] * q - (dmin * self.mins.float())[..., None]
             return w.reshape(n, k)
-        q = self.values.reshape(n, k // 16, 16).float() - 32
+        q = q6k_values(self.values, self.high).reshape(n, k // 16, 16).float() - 32
         d = self.d.repeat_interleave(16, dim=1)
         return (d[..., None] * self.scales.float()[..., None] * q).reshape(n, k)
+
+
+def q6k_values(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """Q6_K's values 0..63 [out, in] (uint8, input order) from their packed low 4 bits [out, in / 2] and high 2
+    bits [out, in / 4]: per half super-block of 128, low byte l holds values l and l + 64 (low, high nibble), low
+    byte l + 32 values l + 32 and l + 96, high byte l the high bits of all four, 2 bits each (ggml's layout)."""
+    n = low.shape[0]
+    ql, qh = low.reshape(n, -1, 2, 64), high.reshape(n, -1, 2, 32)
+    low_bits = torch.cat([ql[..., :32] & 0x0F, ql[..., 32:] & 0x0F, ql[..., :32] >> 4, ql[..., 32:] >> 4], dim=-1)
+    high_bits = torch.cat([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-1)
+    return (low_bits | (high_bits << 4)).reshape(n, -1)
+
+
+def q6k_packed(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of q6k_values: values 0..63 [out, in] -> (low bits [out, in / 2], high bits [out, in / 4])."""
+    n = values.shape[0]
+    v = values.reshape(n, -1, 2, 4, 32)  # super-block, half, quarter, 32
+    low = torch.cat([(v[..., 0, :] & 0x0F) | ((v[..., 2, :] & 0x0F) << 4),
+                     (v[..., 1, :] & 0x0F) | ((v[..., 3, :] & 0x0F) << 4)], dim=-1)
+    high = (v[..., 0, :] >> 4) | ((v[..., 1, :] >> 4) << 2) | ((v[..., 2, :] >> 4) << 4) | ((v[..., 3, :] >> 4) << 6)
+    return low.reshape(n, -1).contiguous(), high.reshape(n, -1).contiguous()
 
 
 def _as_blocks(raw: np.ndarray, out_features: int, block_bytes: int) -> np.ndarray:
@@ -172,15 +198,14 @@ def q4k_from_gguf(raw: np.ndarray, out_features: int) -> KQuantWeight:
 
 def q6k_from_gguf(raw: np.ndarray, out_features: int) -> KQuantWeight:
     """A GGUF Q6_K tensor's raw bytes (block_q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales,
-    half d) unpacked into kquant.c's layout: one byte per value, in input order."""
+    half d) in kquant.c's layout: the bits as stored, scales and d (as float) apart."""
     blocks = _as_blocks(raw, out_features, Q6K_BLOCK_BYTES)
-    ql, qh = blocks[..., 0:128].reshape(*blocks.shape[:2], 2, 64), blocks[..., 128:192].reshape(*blocks.shape[:2], 2, 32)
-    low = np.concatenate([ql[..., :32] & 0x0F, ql[..., 32:] & 0x0F, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=-1)
-    high = np.concatenate([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], axis=-1)
-    values = (low | (high << 4)).astype(np.uint8).reshape(out_features, -1)
+    low = blocks[..., 0:128].reshape(out_features, -1).copy()
+    high = blocks[..., 128:192].reshape(out_features, -1).copy()
     scales = blocks[..., 192:208].copy().view(np.int8).reshape(out_features, -1)
     d = blocks[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)
-    return KQuantWeight("q6k", torch.from_numpy(values), torch.from_numpy(scales), torch.from_numpy(d))
+    return KQuantWeight("q6k", torch.from_numpy(low), torch.from_numpy(scales), torch.from_numpy(d),
+                        high=torch.from_numpy(high))
 
 
 def _round_scales(per_block: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,8 +241,8 @@ def q6k_from_dense(weight: torch.Tensor) -> KQuantWeight:
     d = (step.amax(dim=-1) / 127).clamp(min=1e-12)
     scales = torch.round(step / d[..., None]).clamp(1, 127)
     q = torch.round(w / (d[..., None] * scales)[..., None]).clamp(-32, 31) + 32
-    return KQuantWeight("q6k", q.to(torch.uint8).reshape(n, k).contiguous(),
-                        scales.to(torch.int8).reshape(n, -1).contiguous(), d.contiguous())
+    low, high = q6k_packed(q.to(torch.uint8).reshape(n, k))
+    return KQuantWeight("q6k", low, scales.to(torch.int8).reshape(n, -1).contiguous(), d.contiguous(), high=high)
 
 
 def concatenated(weights: list[KQuantWeight]) -> KQuantWeight:
@@ -226,8 +251,7 @@ def concatenated(weights: list[KQuantWeight]) -> KQuantWeight:
     if len(weights) == 1:
         return first
     stacked = {name: torch.cat([w.tensors()[name] for w in weights]) for name in first.tensors()}
-    return KQuantWeight(first.kind, stacked["values"], stacked["scales"], stacked["d"], stacked.get("mins"),
-                        stacked.get("dmin"))
+    return KQuantWeight(first.kind, **stacked)
 
 
 # --- the map ----------------------------------------------------------------------------------------------------
@@ -259,7 +283,8 @@ class KQuantLinear(nn.Module):
 
     def part(self, index: int) -> KQuantWeight:
         get = lambda name: getattr(self, f"part{index}_{name}", None)  # noqa: E731
-        return KQuantWeight(self.kinds[index], get("values"), get("scales"), get("d"), get("mins"), get("dmin"))
+        return KQuantWeight(self.kinds[index], get("values"), get("scales"), get("d"), get("mins"), get("dmin"),
+                            get("high"))
 
     def dequantized(self) -> torch.Tensor:
         """The dense weight [out, in] (float32) this map multiplies by (activations are quantized on top)."""
@@ -286,7 +311,8 @@ class KQuantLinear(nn.Module):
                                     part.d.data_ptr(), part.dmin.data_ptr(), bias, stop - start, k, a.data_ptr(),
                                     da.data_ptr(), bsum32.data_ptr(), m, target, self.out_features, threads)
             else:
-                self.lib.matmul_q6k(part.values.data_ptr(), part.scales.data_ptr(), part.d.data_ptr(), bias,
+                self.lib.matmul_q6k(part.values.data_ptr(), part.high.data_ptr(), part.scales.data_ptr(),
+                                    part.d.data_ptr(), bias,
                                     stop - start, k, a.data_ptr(), da.data_ptr(), bsum16.data_ptr(), m, target,
                                     self.out_features, threads)
         return out.to(self.dtype).view(*x.shape[:-1], self.out_features)

@@ -273,43 +273,55 @@ def higher_precision_modules(folder: Path | None) -> set[str]:
 EVICT_BYTES = 96 << 20  # more than a server CPU's last-level cache: a decode step reads its weights from memory
 
 
-def _projection_map(out_features: int, in_features: int, fmt: str, dtype: torch.dtype):
-    """A random projection of this shape in format `fmt`, as a callable x -> y."""
+HEAD_SLICE = 16384  # LM head rows timed per format; the head's cost is that times vocab / HEAD_SLICE (linear in rows)
+
+
+def _projection_map(out_features: int, in_features: int, fmt: str, dtype: torch.dtype, head: bool = False):
+    """A random projection of this shape in format `fmt`, as a callable x -> y. head: as the format holds the LM
+    head (int8 under the weight-only formats, Q6_K under gguf, as quantize_weights / quantize_gguf do)."""
     layer = nn.Linear(in_features, out_features, bias=False, dtype=torch.float32)
     nn.init.normal_(layer.weight, std=0.02)
     if fmt == "none":
         weight = layer.weight.to(dtype)
         return lambda x: linear(x, weight)
+    if head and fmt == "gguf" and kquant.supported(out_features, in_features):
+        return KQuantLinear([q6k_from_dense(layer.weight)], None, dtype)
+    if head and fmt in WEIGHT_ONLY:
+        return Int8WeightLinear(layer.weight, None, dtype)
     return format_linear(layer, fmt, dtype)
 
 
 @torch.inference_mode()
 def formats_seconds(cfg: Qwen3Config, formats: list[str], dtype: torch.dtype, rows: tuple[int, ...] = (1, 4),
                     repeats: int = 7, fused: bool = False) -> dict[str, float]:
-    """{format: estimated seconds of the decoder's projections for one forward per row count in `rows`, summed (a
-    decode step and a verify step)}: each distinct projection shape timed with random weights, times the number of
-    layers. fused: a target's stacked q/k/v and gate/up where the format is FUSABLE.
+    """{format: estimated seconds of the decoder's projections and the LM head for one forward per row count in
+    `rows`, summed (a decode step and a verify step)}: each distinct projection shape timed with random weights,
+    times the number of layers, plus a slice of the head in the format's head kernel scaled to the vocabulary.
+    fused: a target's stacked q/k/v and gate/up where the format is FUSABLE.
 
     Each timing is the best of `repeats` calls, each after the caches were flushed by writing EVICT_BYTES elsewhere
     (one projection's weights would otherwise stay in the L3 between calls, which a whole model's never do), and
     the formats are timed in turn within each repeat, so a burst of other work on the CPU (the other replica
     loading beside this one) slows every candidate alike instead of one."""
-    calls = []  # (format, run, x): every timed call
+    calls = []  # (format, run, x, weight): every timed call, and what its time counts for
+    head_rows = min(HEAD_SLICE, cfg.vocab_size)
     for fmt in formats:
-        for out_features, in_features in projection_shapes(cfg, fused=fused and fmt in FUSABLE):
-            run = _projection_map(out_features, in_features, fmt, dtype)
-            calls += [(fmt, run, torch.randn(n, in_features, dtype=dtype)) for n in rows]
-    for _, run, x in calls:
+        shapes = [(shape, cfg.num_hidden_layers, False) for shape in projection_shapes(cfg, fused and fmt in FUSABLE)]
+        shapes.append(((head_rows, cfg.hidden_size), cfg.vocab_size / head_rows, True))
+        for (out_features, in_features), weight, head in shapes:
+            run = _projection_map(out_features, in_features, fmt, dtype, head)
+            calls += [(fmt, run, torch.randn(n, in_features, dtype=dtype), weight) for n in rows]
+    for _, run, x, _ in calls:
         run(x)  # the first call of a shape chooses and warms its kernel up
     best = [float("inf")] * len(calls)
     scratch = torch.empty(EVICT_BYTES, dtype=torch.uint8)
     for _ in range(repeats):
-        for i, (_, run, x) in enumerate(calls):
+        for i, (_, run, x, _) in enumerate(calls):
             scratch.fill_(1)
             start = time.perf_counter()
             run(x)
             best[i] = min(best[i], time.perf_counter() - start)
-    return {fmt: cfg.num_hidden_layers * sum(b for (f, _, _), b in zip(calls, best) if f == fmt) for fmt in formats}
+    return {fmt: sum(weight * b for (f, _, _, weight), b in zip(calls, best) if f == fmt) for fmt in formats}
 
 
 def format_seconds(cfg: Qwen3Config, fmt: str, dtype: torch.dtype, rows: tuple[int, ...] = (1, 4),

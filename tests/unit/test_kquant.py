@@ -164,3 +164,32 @@ def test_a_machine_without_the_kernel_fails_naming_the_field(monkeypatch):
     with pytest.raises(WeightFormatError, match=r"^model.quantize: gguf cannot run on this CPU \(ISA .*gcc"):
         check_runs_here("gguf", torch.device("cpu"), torch.float32)
 
+
+
+AVX2_PROBE = """
+import sys, torch
+from evospec.kernels.kquant import KQuantLinear, q4k_from_dense, q6k_from_dense
+torch.manual_seed(0)
+w = torch.randn(320, 1536) * 0.03
+layer = KQuantLinear([q4k_from_dense(w[:256]), q6k_from_dense(w[256:])], torch.randn(320), torch.float32)
+x = torch.randn(20, 1536)
+rows = torch.cat([layer(x[i:i + 1]) for i in range(20)])
+assert torch.equal(layer(x), rows), "rows round differently"
+torch.save(rows, sys.argv[1])
+"""
+
+
+def test_the_avx2_path_computes_what_the_default_build_does(tmp_path):
+    """The kernel's AVX2 build (what an AVX2-only CPU runs), forced on this machine in a child process: row-invariant,
+    and within float rounding of this machine's own build (the integer sums are equal; only the float lanes they are
+    accumulated in differ)."""
+    import os
+    import subprocess
+    import sys
+    outputs = {}
+    for name, env in (("native", {}), ("avx2", {"EVOSPEC_KQUANT_AVX2": "1"})):
+        path = tmp_path / f"{name}.pt"
+        subprocess.run([sys.executable, "-c", AVX2_PROBE, str(path)], check=True, timeout=300,
+                       env={**os.environ, **env})
+        outputs[name] = torch.load(path)
+    assert torch.allclose(outputs["avx2"], outputs["native"], rtol=1e-5, atol=1e-5)
