@@ -55,6 +55,7 @@ ROW_INVARIANT = (*WEIGHT_ONLY, "int8-per-token", "gguf")
 # quantization).
 FUSABLE = ("int8-weight-only", "int8-per-token", "gguf")
 BITS = {"int8-weight-only": 8, "int4-weight-only": 4}
+FOUR_BIT_FORMATS = ("int4-weight-only", "gguf")  # what a 4-bit GGUF keeps at 6 bits, these hold in 8 / Q6_K
 # GGUF module names -> ours, for the projections a source GGUF may keep at higher precision than its file type.
 GGUF_PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -270,6 +271,7 @@ def higher_precision_modules(folder: Path | None) -> set[str]:
     return {name for name, kind in gguf_types(gguf).items() if kind not in FOUR_BIT_GGUF_TYPES}
 
 
+SOURCE_BITS_TIE = 1.03  # choose_format: gguf within this factor of the fastest candidate is chosen
 EVICT_BYTES = 96 << 20  # more than a server CPU's last-level cache: a decode step reads its weights from memory
 
 
@@ -278,7 +280,8 @@ HEAD_SLICE = 16384  # LM head rows timed per format; the head's cost is that tim
 
 def _projection_map(out_features: int, in_features: int, fmt: str, dtype: torch.dtype, head: bool = False):
     """A random projection of this shape in format `fmt`, as a callable x -> y. head: as the format holds the LM
-    head (int8 under the weight-only formats, Q6_K under gguf, as quantize_weights / quantize_gguf do)."""
+    head and the projections a 4-bit GGUF keeps at 6 bits (int8 under the weight-only formats, Q6_K under gguf, as
+    quantize_weights / quantize_gguf do)."""
     layer = nn.Linear(in_features, out_features, bias=False, dtype=torch.float32)
     nn.init.normal_(layer.weight, std=0.02)
     if fmt == "none":
@@ -293,11 +296,12 @@ def _projection_map(out_features: int, in_features: int, fmt: str, dtype: torch.
 
 @torch.inference_mode()
 def formats_seconds(cfg: Qwen3Config, formats: list[str], dtype: torch.dtype, rows: tuple[int, ...] = (1, 4),
-                    repeats: int = 7, fused: bool = False) -> dict[str, float]:
+                    repeats: int = 7, fused: bool = False, six_bit_down: float = 0.0) -> dict[str, float]:
     """{format: estimated seconds of the decoder's projections and the LM head for one forward per row count in
     `rows`, summed (a decode step and a verify step)}: each distinct projection shape timed with random weights,
     times the number of layers, plus a slice of the head in the format's head kernel scaled to the vocabulary.
-    fused: a target's stacked q/k/v and gate/up where the format is FUSABLE.
+    fused: a target's stacked q/k/v and gate/up where the format is FUSABLE. six_bit_down: the share of layers
+    whose down projection the source GGUF keeps above 4 bits (Q4_K_M: half), timed as the 4-bit formats hold it.
 
     Each timing is the best of `repeats` calls, each after the caches were flushed by writing EVICT_BYTES elsewhere
     (one projection's weights would otherwise stay in the L3 between calls, which a whole model's never do), and
@@ -305,8 +309,12 @@ def formats_seconds(cfg: Qwen3Config, formats: list[str], dtype: torch.dtype, ro
     loading beside this one) slows every candidate alike instead of one."""
     calls = []  # (format, run, x, weight): every timed call, and what its time counts for
     head_rows = min(HEAD_SLICE, cfg.vocab_size)
+    layers = cfg.num_hidden_layers
     for fmt in formats:
-        shapes = [(shape, cfg.num_hidden_layers, False) for shape in projection_shapes(cfg, fused and fmt in FUSABLE)]
+        *others, down = projection_shapes(cfg, fused and fmt in FUSABLE)
+        kept = six_bit_down if fmt in FOUR_BIT_FORMATS else 0.0
+        shapes = [(shape, layers, False) for shape in others] + [(down, layers * (1 - kept), False)]
+        shapes += [(down, layers * kept, True)] if kept else []
         shapes.append(((head_rows, cfg.hidden_size), cfg.vocab_size / head_rows, True))
         for (out_features, in_features), weight, head in shapes:
             run = _projection_map(out_features, in_features, fmt, dtype, head)
@@ -331,15 +339,19 @@ def format_seconds(cfg: Qwen3Config, fmt: str, dtype: torch.dtype, rows: tuple[i
 
 
 def choose_format(cfg: Qwen3Config, dtype: torch.dtype, four_bit_source: bool,
-                  fused: bool = False) -> tuple[str, dict[str, float]]:
+                  fused: bool = False, six_bit_down: float = 0.0) -> tuple[str, dict[str, float]]:
     """`auto` on a CPU: the fastest row-invariant format measured here (fused: as a target stacks its maps), unless
     dense weights are faster still (a CPU whose quantized kernels are slow in this dtype, e.g. float32 activations
     without native bf16: then `none`, and greedy speculation is no longer bitwise the target's; logged). Returns
-    the choice and the seconds measured per candidate (logged)."""
+    the choice and the seconds measured per candidate (logged). Within SOURCE_BITS_TIE of the fastest, `gguf` wins:
+    it computes with the source file's own weights (no re-quantization), as llama.cpp does, and timings a few
+    percent apart are this measurement's noise (docs/models.md, "Weight formats")."""
     four_bit = ["int4-weight-only"] + (["gguf"] if kquant.available() else [])
     candidates = ["int8-weight-only", "int8-per-token"] + (four_bit if four_bit_source else [])
-    seconds = formats_seconds(cfg, [*candidates, "none"], dtype, fused=fused)
+    seconds = formats_seconds(cfg, [*candidates, "none"], dtype, fused=fused, six_bit_down=six_bit_down)
     best = min(candidates, key=seconds.get)
+    if "gguf" in candidates and seconds["gguf"] <= SOURCE_BITS_TIE * seconds[best]:
+        best = "gguf"
     if seconds["none"] < seconds[best]:
         log.warning("weight format auto -> none: dense %s weights measured faster than %s on this CPU (%.3f vs %.3f "
                     "s); verify forwards are then not row-invariant, so greedy speculation can leave `ar` at a "
@@ -360,7 +372,10 @@ def apply_weight_format(model: Qwen3, fmt: str, folder: Path | None, embedded: b
         if device.type != "cpu" or embedded:
             fmt = "none"
         else:
-            fmt, measured = choose_format(model.cfg, dtype, is_four_bit_source(folder), fused=verifies)
+            kept = higher_precision_modules(folder)
+            six_bit_down = sum(name.endswith("mlp.down_proj") for name in kept) / model.cfg.num_hidden_layers
+            fmt, measured = choose_format(model.cfg, dtype, is_four_bit_source(folder), fused=verifies,
+                                          six_bit_down=six_bit_down)
             log.info("weight format auto -> %s (projection seconds per decode + 4-row verify, measured here: %s)",
                      fmt, {k: round(v, 4) for k, v in measured.items()})
     check_runs_here(fmt, device, dtype)

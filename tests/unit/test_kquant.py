@@ -193,3 +193,42 @@ def test_the_avx2_path_computes_what_the_default_build_does(tmp_path):
                        env={**os.environ, **env})
         outputs[name] = torch.load(path)
     assert torch.allclose(outputs["avx2"], outputs["native"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("gguf_seconds,chosen", [(1.02, "gguf"), (1.10, "int4-weight-only")])
+def test_auto_takes_the_source_bits_when_they_time_within_noise_of_the_fastest(monkeypatch, gguf_seconds, chosen):
+    from evospec.model import weight_formats
+    from evospec.testing import tiny_config
+    timed = {"int8-weight-only": 1.5, "int8-per-token": 1.4, "int4-weight-only": 1.0, "gguf": gguf_seconds,
+             "none": 3.0}
+    seen = {}
+
+    def fake_seconds(cfg, formats, dtype, fused=False, six_bit_down=0.0):
+        seen.update(formats=formats, six_bit_down=six_bit_down)
+        return {fmt: timed[fmt] for fmt in formats}
+    monkeypatch.setattr(weight_formats, "formats_seconds", fake_seconds)
+    fmt, _ = weight_formats.choose_format(tiny_config(vocab=512, hidden=256, layers=2, eos=1), torch.bfloat16, True,
+                                          fused=True, six_bit_down=0.5)
+    assert fmt == chosen and "gguf" in seen["formats"] and seen["six_bit_down"] == 0.5
+
+
+def test_format_timing_counts_the_head_and_the_six_bit_downs(monkeypatch):
+    """auto times what the format will hold: a slice of the LM head in the head's kernel, and the down projections
+    a 4-bit GGUF keeps at 6 bits as the 4-bit formats hold them (only for those formats)."""
+    from evospec.model import weight_formats
+    from evospec.testing import tiny_config
+    built = []
+    real = weight_formats._projection_map
+
+    def recording(out_features, in_features, fmt, dtype, head=False):
+        built.append((fmt, out_features, in_features, head))
+        return real(out_features, in_features, fmt, dtype, head)
+    monkeypatch.setattr(weight_formats, "_projection_map", recording)
+    cfg = tiny_config(vocab=4096, hidden=256, layers=2, eos=1)
+    seconds = weight_formats.formats_seconds(cfg, ["gguf", "int8-per-token"], torch.float32, rows=(1,), repeats=1,
+                                             six_bit_down=0.5)
+    assert set(seconds) == {"gguf", "int8-per-token"}
+    down = (cfg.hidden_size, cfg.intermediate_size)
+    for fmt in ("gguf", "int8-per-token"):
+        assert (fmt, 4096, 256, True) in built  # the head
+    assert ("gguf", *down, True) in built and ("int8-per-token", *down, True) not in built
