@@ -256,14 +256,11 @@ def concatenated(weights: list[KQuantWeight]) -> KQuantWeight:
 
 # --- the map ----------------------------------------------------------------------------------------------------
 
-def _pointer(tensor: torch.Tensor | None) -> int | None:
-    return None if tensor is None else tensor.data_ptr()
-
-
 class KQuantLinear(nn.Module):
     """`x @ Wᵀ (+ bias)` for W held as consecutive row blocks ("parts") in k-quant blocks, each part in one kind
     (q/k/v fused where the GGUF keeps v in Q6_K and q, k in Q4_K); the activations are quantized once per call.
-    Output in `dtype`."""
+    Output in `dtype`. The kernel calls' weight arguments are prepared once (a decode step makes ~200 such calls);
+    the map holds its tensors, so they stay valid for as long as it lives."""
 
     def __init__(self, parts: list[KQuantWeight], bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
@@ -280,6 +277,19 @@ class KQuantLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.dtype = dtype
         self.lib = library()
+        self._calls = [self._call(index) for index in range(len(parts))]
+
+    def _call(self, index: int) -> tuple:
+        """(kernel, weight pointers, bias pointer or None, rows, byte offset into a row of the output, bsum16?)."""
+        part, start = self.part(index), self.offsets[index]
+        bias = None if self.bias is None else self.bias.data_ptr() + 4 * start
+        if part.kind == "q4k":
+            weights = (part.values, part.scales, part.mins, part.d, part.dmin)
+            kernel = self.lib.matmul_q4k
+        else:
+            weights = (part.values, part.high, part.scales, part.d)
+            kernel = self.lib.matmul_q6k
+        return kernel, tuple(w.data_ptr() for w in weights), bias, part.out_features, 4 * start, part.kind == "q6k"
 
     def part(self, index: int) -> KQuantWeight:
         get = lambda name: getattr(self, f"part{index}_{name}", None)  # noqa: E731
@@ -300,19 +310,9 @@ class KQuantLinear(nn.Module):
         self.lib.quantize_rows_q8k(rows.data_ptr(), m, k, a.data_ptr(), da.data_ptr(), bsum16.data_ptr(),
                                    bsum32.data_ptr())
         out = torch.empty(m, self.out_features, dtype=torch.float32)
-        threads = torch.get_num_threads()
-        for index, kind in enumerate(self.kinds):
-            start, stop = self.offsets[index], self.offsets[index + 1]
-            part = self.part(index)
-            bias = None if self.bias is None else _pointer(self.bias) + 4 * start
-            target = out.data_ptr() + 4 * start
-            if kind == "q4k":
-                self.lib.matmul_q4k(part.values.data_ptr(), part.scales.data_ptr(), part.mins.data_ptr(),
-                                    part.d.data_ptr(), part.dmin.data_ptr(), bias, stop - start, k, a.data_ptr(),
-                                    da.data_ptr(), bsum32.data_ptr(), m, target, self.out_features, threads)
-            else:
-                self.lib.matmul_q6k(part.values.data_ptr(), part.high.data_ptr(), part.scales.data_ptr(),
-                                    part.d.data_ptr(), bias,
-                                    stop - start, k, a.data_ptr(), da.data_ptr(), bsum16.data_ptr(), m, target,
-                                    self.out_features, threads)
+        threads, out_ptr = torch.get_num_threads(), out.data_ptr()
+        activations = (a.data_ptr(), da.data_ptr())
+        for kernel, weights, bias, n, offset, sums16 in self._calls:
+            kernel(*weights, bias, n, k, *activations, (bsum16 if sums16 else bsum32).data_ptr(), m, out_ptr + offset,
+                   self.out_features, threads)
         return out.to(self.dtype).view(*x.shape[:-1], self.out_features)
