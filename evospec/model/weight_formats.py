@@ -237,8 +237,8 @@ def quantize_gguf(model: Qwen3, blocks: dict[str, KQuantWeight], fuse: bool) -> 
     own blocks (`blocks`, by module name; a module missing there is re-quantized to Q4_K from its dense weight, the
     head to Q6_K, as for a model with no GGUF source). fuse: q/k/v and gate/up as one map each (a target)."""
     dtype = model.embed_tokens.weight.dtype
-    groups = ((("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
-              if fuse else ())
+    groups = ((("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+               ("mlp", "gate_up_proj", ("gate_proj", "up_proj"))) if fuse else ())
     for index, layer in enumerate(model.layers):
         for parent_name, fused_name, names in groups:
             parent = getattr(layer, parent_name)
@@ -271,7 +271,7 @@ def higher_precision_modules(folder: Path | None) -> set[str]:
     return {name for name, kind in gguf_types(gguf).items() if kind not in FOUR_BIT_GGUF_TYPES}
 
 
-SOURCE_BITS_TIE = 1.03  # choose_format: gguf within this factor of the fastest candidate is chosen
+SOURCE_BITS_TIE = 1.05  # choose_format: gguf this close to the fastest is chosen (back-to-back timings: up to 8% apart)
 EVICT_BYTES = 96 << 20  # more than a server CPU's last-level cache: a decode step reads its weights from memory
 
 
@@ -376,7 +376,8 @@ def apply_weight_format(model: Qwen3, fmt: str, folder: Path | None, embedded: b
             six_bit_down = sum(name.endswith("mlp.down_proj") for name in kept) / model.cfg.num_hidden_layers
             fmt, measured = choose_format(model.cfg, dtype, is_four_bit_source(folder), fused=verifies,
                                           six_bit_down=six_bit_down)
-            log.info("weight format auto -> %s (projection seconds per decode + 4-row verify, measured here: %s)",
+            log.info("weight format auto -> %s (seconds of the projections and head per decode + 4-row verify, "
+                     "measured here: %s)",
                      fmt, {k: round(v, 4) for k, v in measured.items()})
     check_runs_here(fmt, device, dtype)
     model.weight_format_seconds = measured
