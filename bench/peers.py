@@ -20,7 +20,8 @@ with the load generator's client (loadtest/run.py `open_client`, `one_openai_req
 - `llama.cpp-spec`: the same with the draft GGUF as its draft model (`-md`, `--spec-type draft-simple`, llama.cpp's
   default draft options unless --draft-max).
 - `ar`, `evospec`: our service from the YAML as shipped (bench/service.py `start_service`, a private local Ray
-  cluster); each request sets only `method`, as `evospec bench service` does.
+  cluster); each request sets only `method`, as `evospec bench service` does. The two arms take turns on each
+  prompt (ar, evospec, next prompt), so a drift in the machine's speed falls on both alike.
 The GGUF files are those the service's models were converted from (`evospec models fetch`): the same weights, but
 llama.cpp runs them as stored (Q4_K_M) while our service runs the converted model as its YAML and the CPU choose
 (its Info: target dtype and weight format). Before each server starts, the CPU share busy with other processes is
@@ -468,16 +469,28 @@ def write_outputs(report: dict, out: Path) -> None:
 def run_arm(arm: str, base_url: str, spec: dict, prompt_sets: dict[str, list[LoadRequest]], args,
             started: float) -> list[dict]:
     """One warm-up request, then every set's requests through one server."""
-    asyncio.run(drive(base_url, [WARMUP], spec, args.timeout))
+    return run_arms({arm: spec}, base_url, prompt_sets, args, started)
+
+
+def run_arms(specs: dict[str, dict], base_url: str, prompt_sets: dict[str, list[LoadRequest]], args,
+             started: float) -> list[dict]:
+    """One warm-up request per arm, then every set's requests through one server, the arms in turn on each prompt
+    (this machine's speed drifts over minutes: arms run one after the other differed by ~20% with equal work)."""
+    for spec in specs.values():
+        asyncio.run(drive(base_url, [WARMUP], spec, args.timeout))
     records = []
     for set_name, requests in prompt_sets.items():
-        def done(i: int, result: RequestResult, extra: dict, set_name: str = set_name, n: int = len(requests)) -> None:
-            rec = request_record(arm, set_name, result, extra)
-            records.append(rec)
-            progress(f"{arm:>14} {set_name} {i + 1}/{n}: prompt {rec['prompt_tokens']} tokens, "
-                     f"TTFT {rec['ttft_ms']:7.0f} ms, decode {fmt(rec['decode_tok_s'])} tok/s, "
-                     f"{rec['output_tokens']} tokens{'' if rec['ok'] else ' FAILED ' + rec['error']}", started)
-        asyncio.run(drive(base_url, requests, spec, args.timeout, done))
+        for i, request in enumerate(requests):
+            for arm, spec in specs.items():
+                def done(_: int, result: RequestResult, extra: dict, arm: str = arm, set_name: str = set_name,
+                         i: int = i, n: int = len(requests)) -> None:
+                    rec = request_record(arm, set_name, result, extra)
+                    records.append(rec)
+                    progress(f"{arm:>14} {set_name} {i + 1}/{n}: prompt {rec['prompt_tokens']} tokens, "
+                             f"TTFT {rec['ttft_ms']:7.0f} ms, decode {fmt(rec['decode_tok_s'])} tok/s, "
+                             f"{rec['output_tokens']} tokens{'' if rec['ok'] else ' FAILED ' + rec['error']}",
+                             started)
+                asyncio.run(drive(base_url, [request], spec, args.timeout, done))
     return records
 
 
@@ -509,8 +522,8 @@ def run_service_arms(cfg, arms: list[str], prompt_sets, args, started: float, re
             report["servers"]["service"] = {"startup_s": startup, "info": info, "config": config_record(cfg),
                                             "cpu_busy_before_pct": busy}
             progress(f"service: ready in {startup:.1f} s on {base_url}", started)
-            for arm in arms:
-                report["requests"] += run_arm(arm, base_url, {"method": arm}, prompt_sets, args, started)
+            report["requests"] += run_arms({arm: {"method": arm} for arm in arms}, base_url, prompt_sets, args,
+                                           started)
         finally:
             ctx.__exit__(None, None, None)
     progress("service: shut down", started)
