@@ -7,9 +7,10 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -113,7 +114,7 @@ def in_passing_thread(work: Callable[[], T], name: str = "evospec-load") -> T:
     def run() -> None:
         try:
             box["result"] = work()
-        except BaseException as err:  # handed to the caller
+        except BaseException as err:  # noqa: BLE001 (handed to the caller, re-raised there)
             box["error"] = err
 
     thread = threading.Thread(target=run, name=name)

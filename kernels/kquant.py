@@ -77,7 +77,7 @@ def library() -> ctypes.CDLL:
         partial = built.with_suffix(f".partial-{os.getpid()}")
         command = [compiler, "-O3", "-march=native", *extra, "-fopenmp", "-shared", "-fPIC", "-o", str(partial),
                    str(SOURCE)]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
         if result.returncode != 0:
             raise KQuantUnavailable(f"building the k-quant kernel failed: {(result.stderr or '?').splitlines()[0]}")
         partial.rename(built)
@@ -292,9 +292,8 @@ class KQuantLinear(nn.Module):
         return kernel, tuple(w.data_ptr() for w in weights), bias, part.out_features, 4 * start, part.kind == "q6k"
 
     def part(self, index: int) -> KQuantWeight:
-        get = lambda name: getattr(self, f"part{index}_{name}", None)  # noqa: E731
-        return KQuantWeight(self.kinds[index], get("values"), get("scales"), get("d"), get("mins"), get("dmin"),
-                            get("high"))
+        names = ("values", "scales", "d", "mins", "dmin", "high")
+        return KQuantWeight(self.kinds[index], *(getattr(self, f"part{index}_{name}", None) for name in names))
 
     def dequantized(self) -> torch.Tensor:
         """The dense weight [out, in] (float32) this map multiplies by (activations are quantized on top)."""

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from evospec.kernels import kquant
-from evospec.kernels.kquant import (KQuantLinear, q4k_from_dense, q4k_from_gguf, q6k_from_dense, q6k_from_gguf)
+from evospec.kernels.kquant import KQuantLinear, q4k_from_dense, q4k_from_gguf, q6k_from_dense, q6k_from_gguf
 
 pytestmark = pytest.mark.skipif(not kquant.available(), reason="the k-quant kernel needs AVX2 and gcc")
 
