@@ -12,16 +12,20 @@ Formats (docs/models.md, "Weight formats"; quality per format: docs/results.md, 
   per-token, `torch._int_mm`): exactly row-invariant (integer sums), and with AMX a k-row verify costs about what a
   1-row decode does (weight-only kernels loop over rows). SmoothQuant-smoothed at load (model/smoothing.py):
   +1.15% perplexity over 20 held-out abstracts on the real target (unsmoothed +1.70%; int4 +0.69%).
+- `gguf`: the source GGUF's own Q4_K / Q6_K blocks (a model without one: rounded to Q4_K, its head to Q6_K) times
+  int8 activation blocks, through our native kernel (kernels/kquant.py; needs AVX2 and a C compiler): the weights and
+  the numerics llama.cpp runs, row-invariant.
 - `auto`: on a CUDA device, `none`; on a CPU, the fastest of the row-invariant formats on this machine, measured at
-  load on the model's own projection shapes (random weights, fused as a target runs them; a few seconds).
-  `int4-weight-only` is a candidate only when the model was converted from a 4-bit GGUF (its `provenance.json`), so
-  `auto` never serves a model below the precision it was published in. The embedded tiny pair stays `none` (the
+  load on the model's own projection shapes and LM head (random weights, fused as a target runs them; a few
+  seconds), `gguf` where it is within SOURCE_BITS_TIE of the fastest.
+  `int4-weight-only` and `gguf` are candidates only when the model was converted from a 4-bit GGUF (its
+  `provenance.json`), so `auto` never serves a model below the precision it was published in. The embedded tiny pair stays `none` (the
   float32 reference). Where dense weights time faster than every weight-only format (slow weight-only kernels in
   float32 on a CPU without native bf16), `auto` gives `none`, with a warning: greedy identity is then not bitwise.
 
-A target in an all-int8 format (FUSABLE) runs q/k/v and gate/up as one map each. These formats quantize the
-decoder's projections and the LM head (a separate int8 copy for `full_logits`; the dense head stays for the draft's
-pruned vocabularies). They are row-invariant (kernels/quantized.py), which keeps
+A target in a FUSABLE format runs q/k/v and gate/up as one map each. These formats quantize the decoder's
+projections and the LM head (a separate copy for `full_logits`; the dense head stays for the draft's pruned
+vocabularies). They are row-invariant (kernels/quantized.py, kernels/kquant.c), which keeps
 a verify forward's logits bitwise equal to the 1-token decode forwards', so greedy speculation is the target's own.
 """
 from __future__ import annotations
