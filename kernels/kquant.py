@@ -77,7 +77,10 @@ def library() -> ctypes.CDLL:
         partial = built.with_suffix(f".partial-{os.getpid()}")
         command = [compiler, "-O3", "-march=native", *extra, "-fopenmp", "-shared", "-fPIC", "-o", str(partial),
                    str(SOURCE)]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            raise KQuantUnavailable(f"building the k-quant kernel failed: {err}") from err
         if result.returncode != 0:
             raise KQuantUnavailable(f"building the k-quant kernel failed: {(result.stderr or '?').splitlines()[0]}")
         partial.rename(built)
