@@ -232,3 +232,18 @@ def test_format_timing_counts_the_head_and_the_six_bit_downs(monkeypatch):
     for fmt in ("gguf", "int8-per-token"):
         assert (fmt, 4096, 256, True) in built  # the head
     assert ("gguf", *down, True) in built and ("int8-per-token", *down, True) not in built
+
+
+def test_a_failed_build_is_one_line(monkeypatch, tmp_path):
+    """A compiler that fails (here `false`) or is missing gives KQuantUnavailable with one line, and nothing half
+    written is left where the next process would load it."""
+    monkeypatch.setattr(kquant, "_LIBRARY", None)
+    monkeypatch.setenv("EVOSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(kquant.KQuantUnavailable, match=r"^building the k-quant kernel failed"):
+        kquant.library()
+    assert not list((tmp_path / "kernels").glob("*.so"))
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    with pytest.raises(kquant.KQuantUnavailable, match="needs a C compiler"):
+        kquant.library()
+    assert not kquant.available()
