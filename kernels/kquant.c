@@ -99,10 +99,18 @@ void matmul_q4k(const uint8_t *qs, const uint8_t *sc, const uint8_t *mn, const f
     for (int64_t m0 = 0; m0 < M; m0 += TILE_M)
     for (int64_t n = block * TILE_N; n < N && n < (block + 1) * TILE_N; n++) {
         const int64_t mt = M - m0 < TILE_M ? M - m0 : TILE_M;
+#if KQ_AVX512
+        __m512 facc[TILE_M];  /* one float lane per int32 lane of the products: no narrowing per super-block */
+#else
         __m256 facc[TILE_M];
+#endif
         __m128 macc[TILE_M];
         for (int64_t i = 0; i < mt; i++) {
+#if KQ_AVX512
+            facc[i] = _mm512_setzero_ps();
+#else
             facc[i] = _mm256_setzero_ps();
+#endif
             macc[i] = _mm_setzero_ps();
         }
         const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -143,24 +151,28 @@ void matmul_q4k(const uint8_t *qs, const uint8_t *sc, const uint8_t *mn, const f
                     const __m512i p = _mm512_maddubs_epi16(w[c], _mm512_loadu_si512((const void *)(am + 64 * c)));
                     isum512 = _mm512_dpwssd_epi32(isum512, p, s[c]);
                 }
-                const __m256i isum = _mm256_add_epi32(_mm512_castsi512_si256(isum512),
-                                                      _mm512_extracti64x4_epi64(isum512, 1));
+                facc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum512), _mm512_set1_ps(wd * da[m * nb + b]), facc[i]);
 #else
                 __m256i isum = _mm256_setzero_si256();
                 for (int j = 0; j < 8; j++) {
                     const __m256i p = _mm256_maddubs_epi16(w[j], _mm256_loadu_si256((const __m256i *)(am + 32 * j)));
                     isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, s[j]));
                 }
+                facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(wd * da[m * nb + b]), facc[i]);
 #endif
-                const float scale = wd * da[m * nb + b];
-                facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(scale), facc[i]);
                 const __m128i bs = _mm_loadu_si128((const __m128i *)(bsum32 + m * (K / 32) + b * 8));
                 const __m128i msum = _mm_madd_epi16(mins, bs);
                 macc[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(msum), _mm_set1_ps(wdmin * da[m * nb + b]), macc[i]);
             }
         }
         const float bn = bias ? bias[n] : 0.0f;
+#if KQ_AVX512
+        for (int64_t i = 0; i < mt; i++)
+            out[(m0 + i) * ldo + n] = (hsum8(_mm256_add_ps(_mm512_castps512_ps256(facc[i]),
+                                                           _mm512_extractf32x8_ps(facc[i], 1))) - hsum4(macc[i])) + bn;
+#else
         for (int64_t i = 0; i < mt; i++) out[(m0 + i) * ldo + n] = (hsum8(facc[i]) - hsum4(macc[i])) + bn;
+#endif
     }
 }
 
