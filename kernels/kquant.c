@@ -48,6 +48,29 @@ static inline float hsum4(__m128 s) {
     return _mm_cvtss_f32(s);
 }
 
+#if KQ_AVX512
+/* One super-block's integer sum for one row: 4 x 64 weight bytes w times the row's 256 activation bytes am; maddubs
+ * adds pairs of products into int16 lanes and dpwssd adds pairs of those, each times its sub-block's scale (s),
+ * into 16 int32 lanes. */
+static inline __m512i block_dot(const __m512i w[4], const __m512i s[4], const int8_t *am) {
+    __m512i sum = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++)
+        sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(w[c], _mm512_loadu_si512((const void *)(am + 64 * c))),
+                                  s[c]);
+    return sum;
+}
+#else
+/* The same with AVX2: 8 x 32 weight bytes, madd for the scaled pairs, 8 int32 lanes. */
+static inline __m256i block_dot(const __m256i w[8], const __m256i s[8], const int8_t *am) {
+    __m256i sum = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++) {
+        const __m256i p = _mm256_maddubs_epi16(w[j], _mm256_loadu_si256((const __m256i *)(am + 32 * j)));
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, s[j]));
+    }
+    return sum;
+}
+#endif
+
 /* x [M, K] float32 -> a [M, K] int8, da [M, K/256], bsum16 [M, K/16], bsum32 [M, K/32] (int16). */
 void quantize_rows_q8k(const float *x, int64_t M, int64_t K, int8_t *a, float *da, int16_t *bsum16,
                        int16_t *bsum32) {
@@ -146,19 +169,11 @@ void matmul_q4k(const uint8_t *qs, const uint8_t *sc, const uint8_t *mn, const f
                 const int64_t m = m0 + i;
                 const int8_t *am = a + m * K + b * QK;
 #if KQ_AVX512
-                __m512i isum512 = _mm512_setzero_si512();
-                for (int c = 0; c < 4; c++) {
-                    const __m512i p = _mm512_maddubs_epi16(w[c], _mm512_loadu_si512((const void *)(am + 64 * c)));
-                    isum512 = _mm512_dpwssd_epi32(isum512, p, s[c]);
-                }
-                facc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum512), _mm512_set1_ps(wd * da[m * nb + b]), facc[i]);
+                facc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block_dot(w, s, am)), _mm512_set1_ps(wd * da[m * nb + b]),
+                                          facc[i]);
 #else
-                __m256i isum = _mm256_setzero_si256();
-                for (int j = 0; j < 8; j++) {
-                    const __m256i p = _mm256_maddubs_epi16(w[j], _mm256_loadu_si256((const __m256i *)(am + 32 * j)));
-                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, s[j]));
-                }
-                facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(wd * da[m * nb + b]), facc[i]);
+                facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(w, s, am)), _mm256_set1_ps(wd * da[m * nb + b]),
+                                          facc[i]);
 #endif
                 const __m128i bs = _mm_loadu_si128((const __m128i *)(bsum32 + m * (K / 32) + b * 8));
                 const __m128i msum = _mm_madd_epi16(mins, bs);
@@ -247,19 +262,11 @@ void matmul_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const fl
                 const int64_t m = m0 + i;
                 const int8_t *am = a + m * K + b * QK;
 #if KQ_AVX512
-                __m512i isum512 = _mm512_setzero_si512();
-                for (int c = 0; c < 4; c++) {
-                    const __m512i p = _mm512_maddubs_epi16(w[c], _mm512_loadu_si512((const void *)(am + 64 * c)));
-                    isum512 = _mm512_dpwssd_epi32(isum512, p, s[c]);
-                }
+                const __m512i isum512 = block_dot(w, s, am);
                 __m256i isum = _mm256_add_epi32(_mm512_castsi512_si256(isum512),
                                                 _mm512_extracti64x4_epi64(isum512, 1));
 #else
-                __m256i isum = _mm256_setzero_si256();
-                for (int c = 0; c < 8; c++) {
-                    const __m256i p = _mm256_maddubs_epi16(w[c], _mm256_loadu_si256((const __m256i *)(am + 32 * c)));
-                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, s[c]));
-                }
+                __m256i isum = block_dot(w, s, am);
 #endif
                 /* minus 32 * sum_k sc[k] * bsum16[k]: the offset of q */
                 const __m256i bs = _mm256_loadu_si256((const __m256i *)(bsum16 + m * (K / 16) + b * 16));
