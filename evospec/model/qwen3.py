@@ -432,6 +432,14 @@ def load_qwen3(folder: str | Path, device: str | torch.device = "cpu", dtype: to
     return model.eval().requires_grad_(False)
 
 
+def plain_projections(model: Qwen3) -> dict[str, tuple[nn.Module, str]]:
+    """{projection name ("layers.3.mlp.down_proj"): (its parent module, attribute)} for every decoder projection
+    still a plain nn.Linear (not yet fused, quantized or wrapped): what the weight formats and smoothing replace."""
+    return {f"layers.{i}.{part}.{name}": (parent, name) for i, layer in enumerate(model.layers)
+            for part, parent in (("self_attn", layer.self_attn), ("mlp", layer.mlp))
+            for name, module in parent.named_children() if type(module) is nn.Linear}
+
+
 def quantize_int8(model: Qwen3) -> Qwen3:
     """Dynamic int8 quantization of the decoder layers' linear maps (weights int8, activations float32; CPU).
 

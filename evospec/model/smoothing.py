@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from evospec.model.qwen3 import Qwen3
+from evospec.model.qwen3 import Qwen3, plain_projections
 
 log = logging.getLogger(__name__)
 
@@ -68,18 +68,11 @@ class _Recorder(nn.Module):
         return self.layer(x)
 
 
-def _parents(model: Qwen3) -> dict[str, tuple[nn.Module, str]]:
-    """{projection name ("layers.3.mlp.down_proj"): (its parent module, attribute)} for every plain nn.Linear."""
-    return {f"layers.{i}.{part}.{name}": (parent, name) for i, layer in enumerate(model.layers)
-            for part, parent in (("self_attn", layer.self_attn), ("mlp", layer.mlp))
-            for name, module in parent.named_children() if type(module) is nn.Linear}
-
-
 @torch.inference_mode()
 def activation_maxima(model: Qwen3, sequences: list[list[int]]) -> dict[str, torch.Tensor]:
     """{projection name: max |input| per input channel (float32)} over every token of `sequences`, dense model."""
     maxima: dict[str, torch.Tensor] = {}
-    parents = _parents(model)
+    parents = plain_projections(model)
     for name, (parent, attr) in parents.items():
         setattr(parent, attr, _Recorder(getattr(parent, attr), maxima, name))
     try:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +47,7 @@ from evospec.kernels.kquant import (
 )
 from evospec.kernels.linear import linear
 from evospec.kernels.quantized import Int8PerTokenLinear, Int8WeightLinear, quantized_linear
-from evospec.model.qwen3 import Qwen3, Qwen3Config, quantize_int8
+from evospec.model.qwen3 import Qwen3, Qwen3Config, plain_projections, quantize_int8
 from evospec.model.smoothing import smooth_for_per_token
 
 log = logging.getLogger(__name__)
@@ -183,14 +184,19 @@ def _fused(layers: list[nn.Linear], fmt: str, dtype: torch.dtype) -> nn.Module:
     return format_linear(stacked, fmt, dtype)
 
 
-def fuse_projections(model: Qwen3, fmt: str) -> None:
-    """Replace each layer's q/k/v by one `qkv_proj` and gate/up by one `gate_up_proj` in format `fmt` (FUSABLE)."""
-    dtype = model.embed_tokens.weight.dtype
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = _fused([attn.q_proj, attn.k_proj, attn.v_proj], fmt, dtype)
-        mlp.gate_up_proj = _fused([mlp.gate_proj, mlp.up_proj], fmt, dtype)
-        for parent, names in ((attn, ("q_proj", "k_proj", "v_proj")), (mlp, ("gate_proj", "up_proj"))):
+# (parent, fused map, the maps it stacks, in output order): Attention.project_qkv and MLP.forward read the fused maps
+FUSED_GROUPS = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
+
+
+def fuse_projections(model: Qwen3, build: Callable[[list[nn.Linear], list[str]], nn.Module]) -> None:
+    """Replace each layer's q/k/v by one `qkv_proj` and gate/up by one `gate_up_proj`: build(the maps, their names
+    ("layers.3.self_attn.q_proj", ...)) makes the stacked map (FUSABLE formats)."""
+    for index, layer in enumerate(model.layers):
+        for parent_name, fused_name, names in FUSED_GROUPS:
+            parent = getattr(layer, parent_name)
+            setattr(parent, fused_name, build([getattr(parent, name) for name in names],
+                                              [f"layers.{index}.{parent_name}.{name}" for name in names]))
             for name in names:
                 delattr(parent, name)
 
@@ -203,14 +209,9 @@ def quantize_weights(model: Qwen3, fmt: str, keep_8bit: set[str] = frozenset(), 
     step; a draft keeps the separate maps its online adaptation wraps)."""
     dtype = model.embed_tokens.weight.dtype
     if fuse and fmt in FUSABLE:
-        fuse_projections(model, fmt)
-    for layer_index, layer in enumerate(model.layers):
-        for parent in (layer.self_attn, layer.mlp):
-            for name, child in list(parent.named_children()):
-                if type(child) is not nn.Linear:
-                    continue
-                qualified = f"layers.{layer_index}.{'self_attn' if parent is layer.self_attn else 'mlp'}.{name}"
-                setattr(parent, name, format_linear(child, fmt, dtype, qualified in keep_8bit))
+        fuse_projections(model, lambda layers, _: _fused(layers, fmt, dtype))
+    for qualified, (parent, name) in plain_projections(model).items():
+        setattr(parent, name, format_linear(getattr(parent, name), fmt, dtype, qualified in keep_8bit))
     head = Int8PerTokenLinear if fmt == "int8-per-token" else Int8WeightLinear
     model.head = head(model.head_weight, None, dtype)
     model.weight_format = fmt
@@ -241,22 +242,10 @@ def quantize_gguf(model: Qwen3, blocks: dict[str, KQuantWeight], fuse: bool) -> 
     own blocks (`blocks`, by module name; a module missing there is re-quantized to Q4_K from its dense weight, the
     head to Q6_K, as for a model with no GGUF source). fuse: q/k/v and gate/up as one map each (a target)."""
     dtype = model.embed_tokens.weight.dtype
-    groups = ((("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
-               ("mlp", "gate_up_proj", ("gate_proj", "up_proj"))) if fuse else ())
-    for index, layer in enumerate(model.layers):
-        for parent_name, fused_name, names in groups:
-            parent = getattr(layer, parent_name)
-            setattr(parent, fused_name, _kquant_map(
-                [getattr(parent, name) for name in names],
-                [blocks.get(f"layers.{index}.{parent_name}.{name}") for name in names], dtype))
-            for name in names:
-                delattr(parent, name)
-        for parent_name in ("self_attn", "mlp"):
-            parent = getattr(layer, parent_name)
-            for name, child in list(parent.named_children()):
-                if type(child) is nn.Linear:
-                    setattr(parent, name, _kquant_map([child], [blocks.get(f"layers.{index}.{parent_name}.{name}")],
-                                                      dtype))
+    if fuse:
+        fuse_projections(model, lambda layers, names: _kquant_map(layers, [blocks.get(n) for n in names], dtype))
+    for qualified, (parent, name) in plain_projections(model).items():
+        setattr(parent, name, _kquant_map([getattr(parent, name)], [blocks.get(qualified)], dtype))
     head = blocks.get("lm_head")
     head_layer = nn.Linear(model.cfg.hidden_size, model.cfg.vocab_size, bias=False, device="meta")
     head_layer.weight = nn.Parameter(model.head_weight.detach(), requires_grad=False)
