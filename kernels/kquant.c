@@ -278,3 +278,154 @@ void matmul_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const fl
         for (int64_t i = 0; i < mt; i++) out[(m0 + i) * ldo + n] = hsum8(facc[i]) + bn;
     }
 }
+
+/* --- 32-input blocks: Q5_0 and Q8_0 weights times Q8_0 activations ----------------------------------------------
+ * A GGUF keeps a map whose input width is not a multiple of 256 (the 0.5B draft's 896) in blocks of 32:
+ *   Q5_0, per output row and block: float d; 16 bytes of nibbles (byte j: input j low, input j + 16 high) and 4
+ *     bytes of fifth bits (bit j: input j). w = d * (q - 16), q in 0..31.
+ *   Q8_0, per output row and block: float d; 32 int8 q. w = d * q.
+ * Activations, per row and block of 32: float da; int8 a (round(x / da), da = max|x| / 127), as llama.cpp's q8_0.
+ * One block's integer sum is |w| times a with w's sign (maddubs takes unsigned times signed; |w| <= 128 and
+ * |a| <= 127, so no pair saturates), then one float multiply-add per 32 inputs. Row invariance as above. */
+#define QK0 32
+
+/* x [M, K] float32 -> a [M, K] int8, da [M, K/32]. */
+void quantize_rows_q8_0(const float *x, int64_t M, int64_t K, int8_t *a, float *da) {
+    const int64_t nb = K / QK0;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xs = x + m * K + b * QK0;
+            __m256 v[4], vmax = _mm256_setzero_ps();
+            for (int j = 0; j < 4; j++) {
+                v[j] = _mm256_loadu_ps(xs + 8 * j);
+                vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, v[j]));
+            }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float d = _mm_cvtss_f32(m4) / 127.0f;
+            const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+            da[m * nb + b] = d;
+            __m256i q[4];
+            for (int j = 0; j < 4; j++)
+                q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], inv),
+                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            _mm256_storeu_si256((__m256i *)(a + m * K + b * QK0), _mm256_permutevar8x32_epi32(packed, order));
+        }
+}
+
+/* 32 bytes 0xFF where the bit of `bits` with the byte's index is set, else 0 (llama.cpp's bytes_from_bits_32). */
+static inline __m256i bytes_from_bits(const uint8_t *bits) {
+    uint32_t x32;
+    memcpy(&x32, bits, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x32),
+                                               _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                                 0x0101010101010101, 0x0000000000000000));
+    const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
+    return _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi64x(-1));
+}
+
+/* One Q5_0 block's 32 values q - 16 as signed bytes in input order. */
+static inline __m256i unpack_q5_0(const uint8_t *qs, const uint8_t *qh) {
+    const __m128i nibbles = _mm_loadu_si128((const __m128i *)qs);
+    const __m256i low = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nibbles, 4), nibbles), _mm256_set1_epi8(0x0F));
+    /* a clear fifth bit means q - 16 = nibble - 16: set the byte's top four bits */
+    return _mm256_or_si256(low, _mm256_andnot_si256(bytes_from_bits(qh), _mm256_set1_epi8((char)0xF0)));
+}
+
+/* sum over 32 inputs of w * a as 8 int32 lanes, given w's magnitudes aw. */
+static inline __m256i block_dot32(const __m256i w, const __m256i aw, const int8_t *am) {
+    const __m256i signed_a = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)am), w);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && !defined(KQ_FORCE_AVX2)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, signed_a);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(aw, signed_a), _mm256_set1_epi16(1));
+#endif
+}
+
+/* Block b of output column n as signed bytes: Q5_0 (five_bit) or Q8_0. */
+static inline __attribute__((always_inline)) __m256i block_weights(const int five_bit, const uint8_t *qs,
+                                                                   const uint8_t *qh, int64_t n, int64_t K, int64_t b) {
+    return five_bit ? unpack_q5_0(qs + n * (K / 2) + b * (QK0 / 2), qh + n * (K / 8) + b * (QK0 / 8))
+                    : _mm256_loadu_si256((const __m256i *)(qs + n * K + b * QK0));
+}
+
+/* acc[r] += (block b of column n) . (block b of row m0 + r) * its two scales, for R rows. */
+static inline __attribute__((always_inline)) void add_block(const int R, const int five_bit, const uint8_t *qs,
+        const uint8_t *qh, const float *d, int64_t n, int64_t K, int64_t b, const int8_t *a, const float *da,
+        int64_t m0, __m256 acc[4]) {
+    const int64_t nb = K / QK0;
+    const __m256i w = block_weights(five_bit, qs, qh, n, K, b);
+    const __m256i aw = _mm256_sign_epi8(w, w);
+    const float wd = d[n * nb + b];
+    for (int r = 0; r < R; r++)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot32(w, aw, a + (m0 + r) * K + b * QK0)),
+                                 _mm256_set1_ps(wd * da[(m0 + r) * nb + b]), acc[r]);
+}
+
+/* Up to 4 rows (R) of output column n, R and five_bit constants where it is called, so the accumulators stay in
+ * registers: each row sums even and odd blocks in two accumulators (two independent chains of multiply-adds),
+ * added at the end. A row's operations do not depend on R or on the other rows. */
+static inline __attribute__((always_inline)) void column_32blocks(
+        const int R, const int five_bit, const uint8_t *qs, const uint8_t *qh, const float *d, int64_t n, int64_t K,
+        const int8_t *a, const float *da, int64_t m0, float sums[4]) {
+    const int64_t nb = K / QK0;
+    __m256 even[4], odd[4];
+    for (int r = 0; r < R; r++) even[r] = odd[r] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        add_block(R, five_bit, qs, qh, d, n, K, b, a, da, m0, even);
+        add_block(R, five_bit, qs, qh, d, n, K, b + 1, a, da, m0, odd);
+    }
+    if (b < nb) add_block(R, five_bit, qs, qh, d, n, K, b, a, da, m0, even);
+    for (int r = 0; r < R; r++) sums[r] = hsum8(_mm256_add_ps(even[r], odd[r]));
+}
+
+#define COLUMN_ROWS(five_bit, R) column_32blocks(R, five_bit, qs, qh, d, n, K, a, da, m0 + r0, sums)
+
+/* out[m, n] (row stride ldo) = sum_k W[n, k] x[m, k] (+ bias[n]) for Q5_0 (qh != NULL: qs [N, K/2], qh [N, K/8])
+ * or Q8_0 (qh == NULL: qs [N, K] int8) weights, d [N, K/32]; activations from quantize_rows_q8_0. */
+static inline void matmul_32blocks(const uint8_t *qs, const uint8_t *qh, const float *d, const float *bias, int64_t N,
+                                   int64_t K, const int8_t *a, const float *da, int64_t M, float *out, int64_t ldo,
+                                   int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t block = 0; block < (N + TILE_N - 1) / TILE_N; block++)
+    for (int64_t m0 = 0; m0 < M; m0 += TILE_M)
+    for (int64_t n = block * TILE_N; n < N && n < (block + 1) * TILE_N; n++) {
+        const int64_t mt = M - m0 < TILE_M ? M - m0 : TILE_M;
+        const float bn = bias ? bias[n] : 0.0f;
+        for (int64_t r0 = 0; r0 < mt; r0 += 4) {
+            float sums[4];
+            const int R = mt - r0 < 4 ? (int)(mt - r0) : 4;
+            if (qh) {
+                switch (R) {
+                    case 1: COLUMN_ROWS(1, 1); break;
+                    case 2: COLUMN_ROWS(1, 2); break;
+                    case 3: COLUMN_ROWS(1, 3); break;
+                    default: COLUMN_ROWS(1, 4); break;
+                }
+            } else {
+                switch (R) {
+                    case 1: COLUMN_ROWS(0, 1); break;
+                    case 2: COLUMN_ROWS(0, 2); break;
+                    case 3: COLUMN_ROWS(0, 3); break;
+                    default: COLUMN_ROWS(0, 4); break;
+                }
+            }
+            for (int r = 0; r < R; r++) out[(m0 + r0 + r) * ldo + n] = sums[r] + bn;
+        }
+    }
+}
+
+void matmul_q5_0(const uint8_t *qs, const uint8_t *qh, const float *d, const float *bias, int64_t N, int64_t K,
+                 const int8_t *a, const float *da, int64_t M, float *out, int64_t ldo, int threads) {
+    matmul_32blocks(qs, qh, d, bias, N, K, a, da, M, out, ldo, threads);
+}
+
+void matmul_q8_0(const int8_t *qs, const float *d, const float *bias, int64_t N, int64_t K, const int8_t *a,
+                 const float *da, int64_t M, float *out, int64_t ldo, int threads) {
+    matmul_32blocks((const uint8_t *)qs, NULL, d, bias, N, K, a, da, M, out, ldo, threads);
+}

@@ -29,8 +29,11 @@ import numpy as np
 import torch
 from torch import nn
 
-QK = 256  # inputs per super-block
+QK = 256  # inputs per super-block (Q4_K, Q6_K)
+QK0 = 32  # inputs per block (Q5_0, Q8_0: what a GGUF holds where a map's input width is not a multiple of 256)
 Q4K_BLOCK_BYTES, Q6K_BLOCK_BYTES = 144, 210  # ggml's block_q4_K and block_q6_K
+Q5_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES = 22, 34  # ggml's block_q5_0 and block_q8_0
+SUPER_BLOCK_KINDS, BLOCK_KINDS = ("q4k", "q6k"), ("q5_0", "q8_0")  # activations in Q8_K / in Q8_0 blocks
 SOURCE = Path(__file__).with_name("kquant.c")
 
 
@@ -93,7 +96,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.quantize_rows_q8k.argtypes = [p, i64, i64, p, p, p, p]
     lib.matmul_q4k.argtypes = [p, p, p, p, p, p, i64, i64, p, p, p, i64, p, i64, i32]
     lib.matmul_q6k.argtypes = [p, p, p, p, p, i64, i64, p, p, p, i64, p, i64, i32]
-    for function in (lib.quantize_rows_q8k, lib.matmul_q4k, lib.matmul_q6k):
+    lib.quantize_rows_q8_0.argtypes = [p, i64, i64, p, p]
+    lib.matmul_q5_0.argtypes = [p, p, p, p, i64, i64, p, p, i64, p, i64, i32]
+    lib.matmul_q8_0.argtypes = [p, p, p, i64, i64, p, p, i64, p, i64, i32]
+    for function in (lib.quantize_rows_q8k, lib.matmul_q4k, lib.matmul_q6k, lib.quantize_rows_q8_0, lib.matmul_q5_0,
+                     lib.matmul_q8_0):
         function.restype = None
     return lib
 
@@ -112,18 +119,25 @@ def supported(out_features: int, in_features: int) -> bool:
     return in_features % QK == 0 and out_features > 0
 
 
+def block_supported(out_features: int, in_features: int) -> bool:
+    """Whether a weight of this shape can be held in Q5_0 / Q8_0 blocks (whole blocks of 32 inputs)."""
+    return in_features % QK0 == 0 and out_features > 0
+
+
 # --- weights ---------------------------------------------------------------------------------------------------
 
 @dataclass
 class KQuantWeight:
-    """One weight [out, in] in k-quant blocks, laid out for kquant.c. kind "q4k": values = nibbles [out, in / 2],
+    """One weight [out, in] in GGUF blocks, laid out for kquant.c. kind "q4k": values = nibbles [out, in / 2],
     scales / mins [out, in / 32] uint8, d / dmin [out, in / 256] float32; kind "q6k": values = the low 4 bits of
     each value [out, in / 2] and high = its high 2 bits [out, in / 4], packed as the GGUF packs them (q6k_values),
-    scales [out, in / 16] int8, d [out, in / 256]."""
+    scales [out, in / 16] int8, d [out, in / 256]; kind "q5_0": values = nibbles [out, in / 2] (per block of 32,
+    byte j holds input j low and j + 16 high), high = fifth bits [out, in / 8] (bit j of a block's 4 bytes: input
+    j), d [out, in / 32]; kind "q8_0": values [out, in] int8, d [out, in / 32]. Block kinds have no scales."""
 
     kind: str
     values: torch.Tensor
-    scales: torch.Tensor
+    scales: torch.Tensor | None
     d: torch.Tensor
     mins: torch.Tensor | None = None
     dmin: torch.Tensor | None = None
@@ -135,9 +149,11 @@ class KQuantWeight:
 
     @property
     def in_features(self) -> int:
-        return self.values.shape[1] * 2
+        return self.values.shape[1] * (1 if self.kind == "q8_0" else 2)
 
     def tensors(self) -> dict[str, torch.Tensor]:
+        if self.kind in BLOCK_KINDS:
+            return {"values": self.values, "d": self.d} | ({"high": self.high} if self.kind == "q5_0" else {})
         named = {"values": self.values, "scales": self.scales, "d": self.d}
         if self.kind == "q4k":
             return named | {"mins": self.mins, "dmin": self.dmin}
@@ -146,6 +162,9 @@ class KQuantWeight:
     def dequantized(self) -> torch.Tensor:
         """The dense weight [out, in] (float32) these blocks hold."""
         n, k = self.out_features, self.in_features
+        if self.kind in BLOCK_KINDS:
+            q = q5_0_values(self.values, self.high).float() - 16 if self.kind == "q5_0" else self.values.float()
+            return (self.d[..., None] * q.reshape(n, k // QK0, QK0)).reshape(n, k)
         if self.kind == "q4k":
             nibbles = self.values.reshape(n, k // 64, 32)
             q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(n, k // 32, 32).float()
@@ -179,6 +198,25 @@ def q6k_packed(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return low.reshape(n, -1).contiguous(), high.reshape(n, -1).contiguous()
 
 
+def q5_0_values(nibbles: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """Q5_0's values 0..31 [out, in] (uint8, input order) from its nibbles [out, in / 2] and fifth bits [out, in / 8]
+    (per block of 32: nibble byte j holds inputs j and j + 16; bit j of the block's 4 high bytes, input j)."""
+    n = nibbles.shape[0]
+    q = nibbles.reshape(n, -1, 16)
+    low = torch.cat([q & 0x0F, q >> 4], dim=-1)  # [out, blocks, 32]
+    bits = high.reshape(n, -1, 4, 1) >> torch.arange(8, dtype=torch.uint8)  # byte i, bit j -> input 8i + j
+    return (low | ((bits & 1).reshape(n, -1, 32) << 4)).reshape(n, -1)
+
+
+def q5_0_packed(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of q5_0_values: values 0..31 [out, in] -> (nibbles [out, in / 2], fifth bits [out, in / 8])."""
+    n = values.shape[0]
+    v = values.reshape(n, -1, 32)
+    nibbles = (v[..., :16] & 0x0F) | ((v[..., 16:] & 0x0F) << 4)
+    bits = ((v >> 4) & 1).reshape(n, -1, 4, 8) << torch.arange(8, dtype=torch.uint8)
+    return nibbles.reshape(n, -1).contiguous(), bits.sum(dim=-1, dtype=torch.uint8).reshape(n, -1).contiguous()
+
+
 def _as_blocks(raw: np.ndarray, out_features: int, block_bytes: int) -> np.ndarray:
     return np.ascontiguousarray(raw, dtype=np.uint8).reshape(out_features, -1, block_bytes)
 
@@ -209,6 +247,23 @@ def q6k_from_gguf(raw: np.ndarray, out_features: int) -> KQuantWeight:
     d = blocks[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)
     return KQuantWeight("q6k", torch.from_numpy(low), torch.from_numpy(scales), torch.from_numpy(d),
                         high=torch.from_numpy(high))
+
+
+def q5_0_from_gguf(raw: np.ndarray, out_features: int) -> KQuantWeight:
+    """A GGUF Q5_0 tensor's raw bytes (block_q5_0: half d, 4 bytes of fifth bits, 16 bytes of nibbles)."""
+    blocks = _as_blocks(raw, out_features, Q5_0_BLOCK_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    high = blocks[..., 2:6].reshape(out_features, -1).copy()
+    nibbles = blocks[..., 6:22].reshape(out_features, -1).copy()
+    return KQuantWeight("q5_0", torch.from_numpy(nibbles), None, torch.from_numpy(d), high=torch.from_numpy(high))
+
+
+def q8_0_from_gguf(raw: np.ndarray, out_features: int) -> KQuantWeight:
+    """A GGUF Q8_0 tensor's raw bytes (block_q8_0: half d, 32 int8)."""
+    blocks = _as_blocks(raw, out_features, Q8_0_BLOCK_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    values = blocks[..., 2:34].copy().view(np.int8).reshape(out_features, -1)
+    return KQuantWeight("q8_0", torch.from_numpy(values), None, torch.from_numpy(d))
 
 
 def _round_scales(per_block: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,6 +303,27 @@ def q6k_from_dense(weight: torch.Tensor) -> KQuantWeight:
     return KQuantWeight("q6k", low, scales.to(torch.int8).reshape(n, -1).contiguous(), d.contiguous(), high=high)
 
 
+def q5_0_from_dense(weight: torch.Tensor) -> KQuantWeight:
+    """Q5_0 blocks of a dense weight [out, in] (in % 32 == 0) as llama.cpp rounds them (quantize_row_q5_0_ref): per
+    32 inputs d = (the value of largest magnitude) / -16, q = min(31, floor(w / d + 16.5)), d kept as float16."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // QK0, QK0)
+    d = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True)) / -16
+    inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    q = torch.floor(w * inverse + 16.5).clamp(max=31).to(torch.uint8).reshape(n, k)
+    nibbles, high = q5_0_packed(q)
+    return KQuantWeight("q5_0", nibbles, None, d[..., 0].half().float().contiguous(), high=high)
+
+
+def q8_0_from_dense(weight: torch.Tensor) -> KQuantWeight:
+    """Round-to-nearest Q8_0 blocks of a dense weight [out, in] (in % 32 == 0): d = max|w| / 127 per 32 inputs."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // QK0, QK0)
+    d = w.abs().amax(dim=-1, keepdim=True) / 127
+    q = torch.round(w / d.clamp(min=1e-30)).clamp(-127, 127).to(torch.int8).reshape(n, k)
+    return KQuantWeight("q8_0", q, None, d[..., 0].contiguous())
+
+
 def concatenated(weights: list[KQuantWeight]) -> KQuantWeight:
     """Weights of one kind and input size stacked by output rows (a fused q/k/v or gate/up)."""
     first = weights[0]
@@ -268,10 +344,11 @@ class KQuantLinear(nn.Module):
     def __init__(self, parts: list[KQuantWeight], bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
         self.in_features = parts[0].in_features
-        if any(part.in_features != self.in_features for part in parts) or self.in_features % QK:
-            raise ValueError(f"k-quant parts need one input size divisible by {QK}; got "
-                             f"{[part.in_features for part in parts]}")
         self.kinds = [part.kind for part in parts]
+        block = QK if set(self.kinds) & set(SUPER_BLOCK_KINDS) else QK0
+        if any(part.in_features != self.in_features for part in parts) or self.in_features % block:
+            raise ValueError(f"k-quant parts need one input size divisible by {block}; got "
+                             f"{[part.in_features for part in parts]}")
         self.offsets = np.cumsum([0] + [part.out_features for part in parts]).tolist()
         self.out_features = self.offsets[-1]
         for index, part in enumerate(parts):
@@ -282,17 +359,21 @@ class KQuantLinear(nn.Module):
         self.lib = library()
         self._calls = [self._call(index) for index in range(len(parts))]
 
+    # per kind: the kernel, its weight tensors in argument order, and which activation sums it takes after the
+    # activations (kquant.c): Q4_K the sums per 32, Q6_K per 16, the 32-blocks none
+    KERNELS = {"q4k": ("matmul_q4k", ("values", "scales", "mins", "d", "dmin"), "bsum32"),
+               "q6k": ("matmul_q6k", ("values", "high", "scales", "d"), "bsum16"),
+               "q5_0": ("matmul_q5_0", ("values", "high", "d"), None),
+               "q8_0": ("matmul_q8_0", ("values", "d"), None)}
+
     def _call(self, index: int) -> tuple:
-        """(kernel, weight pointers, bias pointer or None, rows, byte offset into a row of the output, bsum16?)."""
+        """(kernel, weight pointers, bias pointer or None, rows, byte offset into a row of the output, the name of
+        the activation sums it takes or None)."""
         part, start = self.part(index), self.offsets[index]
         bias = None if self.bias is None else self.bias.data_ptr() + 4 * start
-        if part.kind == "q4k":
-            weights = (part.values, part.scales, part.mins, part.d, part.dmin)
-            kernel = self.lib.matmul_q4k
-        else:
-            weights = (part.values, part.high, part.scales, part.d)
-            kernel = self.lib.matmul_q6k
-        return kernel, tuple(w.data_ptr() for w in weights), bias, part.out_features, 4 * start, part.kind == "q6k"
+        kernel, names, sums = self.KERNELS[part.kind]
+        weights = tuple(getattr(part, name).data_ptr() for name in names)
+        return getattr(self.lib, kernel), weights, bias, part.out_features, 4 * start, sums
 
     def part(self, index: int) -> KQuantWeight:
         names = ("values", "scales", "d", "mins", "dmin", "high")
@@ -304,17 +385,34 @@ class KQuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float().contiguous()
-        m, k = rows.shape
-        a = torch.empty(m, k, dtype=torch.int8)
-        da = torch.empty(m, k // QK, dtype=torch.float32)
-        bsum16 = torch.empty(m, k // 16, dtype=torch.int16)
-        bsum32 = torch.empty(m, k // 32, dtype=torch.int16)
-        self.lib.quantize_rows_q8k(rows.data_ptr(), m, k, a.data_ptr(), da.data_ptr(), bsum16.data_ptr(),
-                                   bsum32.data_ptr())
+        m = rows.shape[0]
+        activations = self._quantized_activations(rows)
         out = torch.empty(m, self.out_features, dtype=torch.float32)
         threads, out_ptr = torch.get_num_threads(), out.data_ptr()
-        activations = (a.data_ptr(), da.data_ptr())
-        for kernel, weights, bias, n, offset, sums16 in self._calls:
-            kernel(*weights, bias, n, k, *activations, (bsum16 if sums16 else bsum32).data_ptr(), m, out_ptr + offset,
-                   self.out_features, threads)
+        for kernel, weights, bias, n, offset, sums in self._calls:
+            if sums is None:
+                a, da = activations["q8_0"]
+                kernel(*weights, bias, n, self.in_features, a.data_ptr(), da.data_ptr(), m, out_ptr + offset,
+                       self.out_features, threads)
+            else:
+                a, da, sums_by_name = activations["q8k"]
+                kernel(*weights, bias, n, self.in_features, a.data_ptr(), da.data_ptr(), sums_by_name[sums].data_ptr(),
+                       m, out_ptr + offset, self.out_features, threads)
         return out.to(self.dtype).view(*x.shape[:-1], self.out_features)
+
+    def _quantized_activations(self, rows: torch.Tensor) -> dict[str, tuple]:
+        """The rows [m, k] as int8 blocks for the parts' kernels: "q8k" (int8, scale per 256, sums per 16 and 32)
+        for k-quant parts, "q8_0" (int8, scale per 32) for Q5_0 / Q8_0 parts."""
+        m, k = rows.shape
+        quantized: dict[str, tuple] = {}
+        if set(self.kinds) & set(SUPER_BLOCK_KINDS):
+            a, da = torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // QK, dtype=torch.float32)
+            sums = {"bsum16": torch.empty(m, k // 16, dtype=torch.int16), "bsum32": torch.empty(m, k // 32, dtype=torch.int16)}
+            self.lib.quantize_rows_q8k(rows.data_ptr(), m, k, a.data_ptr(), da.data_ptr(), sums["bsum16"].data_ptr(),
+                                       sums["bsum32"].data_ptr())
+            quantized["q8k"] = (a, da, sums)
+        if set(self.kinds) & set(BLOCK_KINDS):
+            a, da = torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // QK0, dtype=torch.float32)
+            self.lib.quantize_rows_q8_0(rows.data_ptr(), m, k, a.data_ptr(), da.data_ptr())
+            quantized["q8_0"] = (a, da)
+        return quantized

@@ -12,9 +12,10 @@ Formats (docs/models.md, "Weight formats"; quality per format: docs/results.md, 
   per-token, `torch._int_mm`): exactly row-invariant (integer sums), and with AMX a k-row verify costs about what a
   1-row decode does (weight-only kernels loop over rows). SmoothQuant-smoothed at load (model/smoothing.py):
   +1.15% perplexity over 20 held-out abstracts on the real target (unsmoothed +1.70%; int4 +0.69%).
-- `gguf`: the source GGUF's own Q4_K / Q6_K blocks (a model without one: rounded to Q4_K, its head to Q6_K) times
-  int8 activation blocks, through our native kernel (kernels/kquant.py; needs AVX2 and a C compiler): the weights and
-  the numerics llama.cpp runs, row-invariant.
+- `gguf`: the source GGUF's own Q4_K / Q6_K blocks, and Q5_0 / Q8_0 where a map's input width is not a multiple of
+  256 (the 0.5B draft's 896), times int8 activation blocks, through our native kernel (kernels/kquant.py; needs AVX2
+  and a C compiler): the weights and the numerics llama.cpp runs, row-invariant. A model without a GGUF source is
+  rounded as llama.cpp's Q4_K_M would round it: Q4_K (Q5_0 where the width is not a multiple of 256), head Q6_K.
 - `auto`: on a CUDA device, `none`; on a CPU, the fastest of the row-invariant formats on this machine, measured at
   load on the model's own projection shapes and LM head (random weights, fused as a target runs them; a few
   seconds), `gguf` where it is within SOURCE_BITS_TIE of the fastest.
@@ -42,8 +43,8 @@ from torch import nn
 
 from evospec.kernels import kquant
 from evospec.kernels.kquant import (
-    KQuantLinear, KQuantUnavailable, KQuantWeight, concatenated, q4k_from_dense, q4k_from_gguf, q6k_from_dense,
-    q6k_from_gguf,
+    KQuantLinear, KQuantUnavailable, KQuantWeight, concatenated, q4k_from_dense, q4k_from_gguf, q5_0_from_dense,
+    q5_0_from_gguf, q6k_from_dense, q6k_from_gguf, q8_0_from_dense, q8_0_from_gguf,
 )
 from evospec.kernels.linear import linear
 from evospec.kernels.quantized import Int8PerTokenLinear, Int8WeightLinear, quantized_linear
@@ -125,12 +126,13 @@ def gguf_types(gguf: Path) -> dict[str, str]:
 
 
 def gguf_blocks(gguf: Path) -> dict[str, KQuantWeight]:
-    """{our module name: its weight as the GGUF stores it} for the Q4_K and Q6_K projections and head (the others,
-    if any, are re-quantized from the dense weights by quantize_gguf)."""
+    """{our module name: its weight as the GGUF stores it} for the Q4_K, Q6_K, Q5_0 and Q8_0 projections and head
+    (the others, if any, are re-quantized from the dense weights by quantize_gguf)."""
     data = np.memmap(gguf, dtype=np.uint8, mode="r")
     blocks = {}
     for name, entry in gguf_index(gguf).items():
-        unpack = {"Q4_K": q4k_from_gguf, "Q6_K": q6k_from_gguf}.get(entry["type"])
+        unpack = {"Q4_K": q4k_from_gguf, "Q6_K": q6k_from_gguf, "Q5_0": q5_0_from_gguf,
+                  "Q8_0": q8_0_from_gguf}.get(entry["type"])
         if unpack is not None:
             blocks[name] = unpack(data[entry["offset"]:entry["offset"] + entry["bytes"]], entry["rows"])
     return blocks
@@ -220,12 +222,15 @@ def quantize_weights(model: Qwen3, fmt: str, keep_8bit: set[str] = frozenset(), 
 
 def _kquant_map(layers: list[nn.Linear], blocks: list[KQuantWeight | None], dtype: torch.dtype) -> nn.Module:
     """`layers` (same input; their outputs concatenated) as one k-quant map: each from its GGUF blocks where given,
-    else re-quantized to Q4_K from its dense weight. An input size the blocks cannot take (not a multiple of 256)
-    gives int8-weight-only maps instead (row-invariant too)."""
-    if not kquant.supported(layers[0].out_features, layers[0].in_features):
+    else re-quantized from its dense weight, to Q4_K, or to Q5_0 where the input size is not a multiple of 256 (as
+    llama.cpp's Q4_K_M does). An input size no block takes (not a multiple of 32) gives int8-weight-only maps
+    instead (row-invariant too)."""
+    shape = (layers[0].out_features, layers[0].in_features)
+    if not kquant.block_supported(*shape):
         return _fused(layers, "int8-weight-only", dtype) if len(layers) > 1 else format_linear(
             layers[0], "int8-weight-only", dtype)
-    weights = [given if given is not None else q4k_from_dense(layer.weight) for layer, given in zip(layers, blocks)]
+    rounded = q4k_from_dense if kquant.supported(*shape) else q5_0_from_dense
+    weights = [given if given is not None else rounded(layer.weight) for layer, given in zip(layers, blocks)]
     parts: list[list[KQuantWeight]] = []
     for weight in weights:  # consecutive weights of one kind share a kernel call
         if parts and parts[-1][0].kind == weight.kind:
@@ -251,6 +256,8 @@ def quantize_gguf(model: Qwen3, blocks: dict[str, KQuantWeight], fuse: bool) -> 
     head_layer.weight = nn.Parameter(model.head_weight.detach(), requires_grad=False)
     if head is None and kquant.supported(*model.head_weight.shape):
         head = q6k_from_dense(model.head_weight)
+    elif head is None and kquant.block_supported(*model.head_weight.shape):
+        head = q8_0_from_dense(model.head_weight)
     model.head = _kquant_map([head_layer], [head], dtype)
     model.weight_format = "gguf"
     return model
@@ -282,6 +289,8 @@ def _projection_map(out_features: int, in_features: int, fmt: str, dtype: torch.
         return lambda x: linear(x, weight)
     if head and fmt == "gguf" and kquant.supported(out_features, in_features):
         return KQuantLinear([q6k_from_dense(layer.weight)], None, dtype)
+    if head and fmt == "gguf" and kquant.block_supported(out_features, in_features):
+        return KQuantLinear([q8_0_from_dense(layer.weight)], None, dtype)
     if head and fmt in WEIGHT_ONLY:
         return Int8WeightLinear(layer.weight, None, dtype)
     return format_linear(layer, fmt, dtype)

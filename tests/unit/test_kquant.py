@@ -10,52 +10,78 @@ import torch
 from torch import nn
 
 from evospec.kernels import kquant
-from evospec.kernels.kquant import KQuantLinear, q4k_from_dense, q4k_from_gguf, q6k_from_dense, q6k_from_gguf
+from evospec.kernels.kquant import (
+    KQuantLinear, q4k_from_dense, q4k_from_gguf, q5_0_from_dense, q5_0_from_gguf, q6k_from_dense, q6k_from_gguf,
+    q8_0_from_dense, q8_0_from_gguf,
+)
 
 pytestmark = pytest.mark.skipif(not kquant.available(), reason="the k-quant kernel needs AVX2 and gcc")
 
 # The real target's shapes (Qwen2.5-Coder-1.5B: q, k/v, o, down, fused q/k/v and gate/up) and a head slice.
 SHAPES = [(1536, 1536), (256, 1536), (1536, 8960), (2048, 1536), (17920, 1536), (4096, 1536), (8, 256)]
+# The real draft's (Qwen2.5-Coder-0.5B: q/o, k/v, gate/up, fused q/k/v, gate/up) and a small one: 896 = 28 x 32
+# inputs, so a GGUF holds these maps in Q5_0 / Q8_0 blocks
+DRAFT_SHAPES = [(896, 896), (128, 896), (4864, 896), (1152, 896), (9728, 896), (8, 96)]
+# GGUF type: (bytes per block, inputs per block, where the float16 scales are)
+LAYOUTS = {"Q4_K": (kquant.Q4K_BLOCK_BYTES, kquant.QK, [slice(0, 2), slice(2, 4)]),
+           "Q6_K": (kquant.Q6K_BLOCK_BYTES, kquant.QK, [slice(208, 210)]),
+           "Q5_0": (kquant.Q5_0_BLOCK_BYTES, kquant.QK0, [slice(0, 2)]),
+           "Q8_0": (kquant.Q8_0_BLOCK_BYTES, kquant.QK0, [slice(0, 2)])}
+FROM_GGUF = {"Q4_K": q4k_from_gguf, "Q6_K": q6k_from_gguf, "Q5_0": q5_0_from_gguf, "Q8_0": q8_0_from_gguf}
 
 
 def random_blocks(rows: int, in_features: int, kind: str, seed: int = 0) -> np.ndarray:
-    """Raw GGUF bytes of a `kind` ("Q4_K", "Q6_K") weight: random quants and scales, small positive float16 d."""
+    """Raw GGUF bytes of a `kind` (LAYOUTS) weight: random quants and scales, small positive float16 d."""
     rng = np.random.default_rng(seed)
-    size = kquant.Q4K_BLOCK_BYTES if kind == "Q4_K" else kquant.Q6K_BLOCK_BYTES
-    blocks = rng.integers(0, 256, (rows, in_features // kquant.QK, size), dtype=np.uint8)
-    scale = rng.uniform(1e-4, 1e-3, (rows, in_features // kquant.QK)).astype(np.float16)
-    fields = [slice(0, 2), slice(2, 4)] if kind == "Q4_K" else [slice(208, 210)]  # d, dmin / d
+    size, inputs, fields = LAYOUTS[kind]
+    blocks = rng.integers(0, 256, (rows, in_features // inputs, size), dtype=np.uint8)
+    scale = rng.uniform(1e-4, 1e-3, (rows, in_features // inputs)).astype(np.float16)
     for field in fields:
         blocks[..., field] = scale[..., None].view(np.uint8).reshape(*scale.shape, 2)
     return blocks.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", list(LAYOUTS))
 def test_gguf_blocks_hold_the_weights_the_gguf_package_reads(kind):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
     raw = random_blocks(24, 512, kind)
-    ours = (q4k_from_gguf if kind == "Q4_K" else q6k_from_gguf)(raw, 24).dequantized()
+    ours = FROM_GGUF[kind](raw, 24).dequantized()
     theirs = dequantize(raw, GGMLQuantizationType[kind]).reshape(24, 512)
     assert torch.equal(ours, torch.from_numpy(theirs.astype(np.float32)))
 
 
-@pytest.mark.parametrize("quantize,bound", [(q4k_from_dense, 0.1), (q6k_from_dense, 0.03)])
+@pytest.mark.parametrize("quantize,bound", [(q4k_from_dense, 0.1), (q6k_from_dense, 0.03), (q5_0_from_dense, 0.06),
+                                            (q8_0_from_dense, 0.01)])
 def test_dense_weights_quantize_with_the_error_of_their_bits(quantize, bound):
     weight = torch.randn(64, 512) * 0.02
     error = (quantize(weight).dequantized() - weight).norm() / weight.norm()
     assert 0 < error < bound
 
 
-@pytest.mark.parametrize("kind", ["q4k", "q6k", "mixed"])
+def test_q5_0_rounds_as_llama_cpp_does():
+    """Our rounding of a dense weight to Q5_0 gives the blocks the gguf package's quantize gives (llama.cpp's
+    quantize_row_q5_0_ref), byte for byte once laid out as the GGUF stores them."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+    weight = torch.randn(16, 96) * 0.02
+    theirs = q5_0_from_gguf(quantize(weight.numpy(), GGMLQuantizationType.Q5_0), 16)
+    ours = q5_0_from_dense(weight)
+    assert torch.equal(ours.dequantized(), theirs.dequantized())
+
+
+@pytest.mark.parametrize("kind", ["q4k", "q6k", "mixed", "q5_0", "q8_0", "mixed32"])
 def test_products_are_the_dequantized_weights_times_int8_activations(kind):
     torch.manual_seed(0)
-    w1, w2 = torch.randn(96, 768) * 0.02, torch.randn(32, 768) * 0.02
-    parts = {"q4k": [q4k_from_dense(torch.cat([w1, w2]))], "q6k": [q6k_from_dense(torch.cat([w1, w2]))],
-             "mixed": [q4k_from_dense(w1), q6k_from_dense(w2)]}[kind]
+    inputs = 768 if kind in ("q4k", "q6k", "mixed") else 864  # 864 = 27 blocks of 32: not a multiple of 256
+    w1, w2 = torch.randn(96, inputs) * 0.02, torch.randn(32, inputs) * 0.02
+    first, second = {"q4k": (q4k_from_dense, q4k_from_dense), "q6k": (q6k_from_dense, q6k_from_dense),
+                     "mixed": (q4k_from_dense, q6k_from_dense), "q5_0": (q5_0_from_dense, q5_0_from_dense),
+                     "q8_0": (q8_0_from_dense, q8_0_from_dense), "mixed32": (q5_0_from_dense, q8_0_from_dense)}[kind]
+    parts = [first(torch.cat([w1, w2]))] if first is second else [first(w1), second(w2)]
     bias = torch.randn(128)
     layer = KQuantLinear(parts, bias, torch.float32)
-    x = torch.randn(5, 768)
+    x = torch.randn(5, inputs)
     reference = x @ layer.dequantized().T + bias
     error = (layer(x) - reference).norm() / reference.norm()
     assert error < 0.02  # int8 activations per 256 inputs: ~0.4% measured; a wrong block or scale is ~100%
@@ -73,6 +99,22 @@ def test_kernel_rows_are_computed_independently(shape, dtype):
     x = torch.randn(40, in_features, dtype=dtype)
     one_at_a_time = torch.cat([layer(x[i:i + 1]) for i in range(40)])
     for k in (2, 3, 5, 8, 16, 40):
+        assert torch.equal(layer(x[:k]), one_at_a_time[:k]), f"{k} rows round differently from 1"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", DRAFT_SHAPES, ids=[f"{o}x{i}" for o, i in DRAFT_SHAPES])
+def test_block_kernel_rows_are_computed_independently(shape, dtype):
+    """The same for Q5_0 / Q8_0 maps (the kernel takes rows 1-4 at a time: every group size and remainder)."""
+    out_features, in_features = shape
+    torch.manual_seed(out_features + in_features)
+    weight = torch.randn(out_features, in_features) * in_features ** -0.5
+    split = out_features // 4 * 3  # a Q5_0 part then a Q8_0 one, as the draft's v projections are Q8_0 in half the layers
+    layer = KQuantLinear([q5_0_from_dense(weight[:split]), q8_0_from_dense(weight[split:])],
+                         torch.randn(out_features), dtype)
+    x = torch.randn(40, in_features, dtype=dtype)
+    one_at_a_time = torch.cat([layer(x[i:i + 1]) for i in range(40)])
+    for k in (2, 3, 4, 5, 7, 16, 19, 40):
         assert torch.equal(layer(x[:k]), one_at_a_time[:k]), f"{k} rows round differently from 1"
 
 
@@ -99,6 +141,8 @@ def test_gguf_format_reads_a_gguf_file_as_stored(tmp_path):
     writer = gguf.GGUFWriter(str(path), "qwen2")
     raws = {"blk.0.attn_q.weight": ("Q4_K", random_blocks(16, 256, "Q4_K", 1)),
             "blk.0.ffn_down.weight": ("Q6_K", random_blocks(8, 512, "Q6_K", 2)),
+            "blk.0.attn_k.weight": ("Q5_0", random_blocks(8, 96, "Q5_0", 4)),
+            "blk.0.attn_v.weight": ("Q8_0", random_blocks(8, 96, "Q8_0", 5)),
             "output.weight": ("Q6_K", random_blocks(32, 256, "Q6_K", 3))}
     for name, (kind, raw) in raws.items():
         kind_enum = gguf.GGMLQuantizationType[kind]
@@ -108,12 +152,12 @@ def test_gguf_format_reads_a_gguf_file_as_stored(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    assert gguf_types(path) == {"layers.0.self_attn.q_proj": "Q4_K", "layers.0.mlp.down_proj": "Q6_K",
-                                "lm_head": "Q6_K"}
+    ours_names = ["layers.0.self_attn.q_proj", "layers.0.mlp.down_proj", "layers.0.self_attn.k_proj",
+                  "layers.0.self_attn.v_proj", "lm_head"]
+    assert gguf_types(path) == {ours: kind for ours, (kind, _) in zip(ours_names, raws.values())}
     assert (tmp_path / "tiny.gguf.index.json").exists() and gguf_index(path)["lm_head"]["rows"] == 32
     blocks = gguf_blocks(path)
-    for ours, (name, (kind, raw)) in zip(["layers.0.self_attn.q_proj", "layers.0.mlp.down_proj", "lm_head"],
-                                         raws.items()):
+    for ours, (name, (kind, raw)) in zip(ours_names, raws.items()):
         expected = dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(raw.shape[0], -1)
         assert torch.equal(blocks[ours].dequantized(), torch.from_numpy(expected.astype(np.float32))), name
 
@@ -148,11 +192,37 @@ def test_a_target_in_gguf_verifies_with_the_decodes_logits(dtype):
         assert torch.equal(model.full_logits(hidden)[0], verify[i - 8]), f"row {i - 8}"
 
 
+def test_a_draft_in_gguf_runs_32_input_blocks():
+    """A model whose width is not a multiple of 256 (the 0.5B draft's 896; here 96) in gguf without a GGUF source:
+    its projections rounded to Q5_0 (down, 256 wide, to Q4_K) and its head to Q8_0, as llama.cpp's Q4_K_M rounds
+    them; its logits are the float model's with those weights up to the activations' 8-bit rounding."""
+    from evospec.kernels.tree import chain_then_tree_mask
+    from evospec.model.qwen3 import Qwen3Config, plain_projections
+    from evospec.model.weight_formats import apply_weight_format
+    from evospec.testing import random_qwen3
+    cfg = Qwen3Config(vocab_size=512, hidden_size=96, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=24, attention_bias=True, qk_norm=False,
+                      tie_word_embeddings=False)
+    dense = random_qwen3(cfg, seed=3, dtype=torch.float32)
+    model = apply_weight_format(random_qwen3(cfg, seed=3, dtype=torch.float32), "gguf", None, verifies=False)
+    layer = model.layers[0]
+    assert layer.self_attn.q_proj.kinds == ["q5_0"] and layer.mlp.up_proj.kinds == ["q5_0"]
+    assert layer.mlp.down_proj.kinds == ["q4k"] and model.head.kinds == ["q8_0"]
+    for name, (parent, attribute) in plain_projections(dense).items():  # the float model of the same weights
+        getattr(parent, attribute).weight.data = model.get_submodule(name).dequantized()
+    dense.lm_head.weight.data = model.head.dequantized()
+    ids = torch.randint(0, 512, (12,), generator=torch.Generator().manual_seed(2))
+    expected = dense.full_logits(dense(ids, torch.arange(12), dense.new_cache(12), chain_then_tree_mask(0, 12, None)))
+    logits = model.full_logits(model(ids, torch.arange(12), model.new_cache(12), chain_then_tree_mask(0, 12, None)))
+    assert (logits - expected).norm() / expected.norm() < 0.03  # a wrong block or scale would be ~100%
+
+
 def test_an_unsupported_input_size_falls_back_to_int8():
     from evospec.kernels.quantized import Int8WeightLinear
     from evospec.model.weight_formats import format_linear
-    assert type(format_linear(nn.Linear(384, 64), "gguf", torch.float32)) is Int8WeightLinear
-    assert type(format_linear(nn.Linear(512, 64), "gguf", torch.float32)) is KQuantLinear
+    assert type(format_linear(nn.Linear(100, 64), "gguf", torch.float32)) is Int8WeightLinear
+    assert format_linear(nn.Linear(384, 64), "gguf", torch.float32).kinds == ["q5_0"]
+    assert format_linear(nn.Linear(512, 64), "gguf", torch.float32).kinds == ["q4k"]
 
 
 def test_a_machine_without_the_kernel_fails_naming_the_field(monkeypatch):
@@ -168,14 +238,17 @@ def test_a_machine_without_the_kernel_fails_naming_the_field(monkeypatch):
 
 AVX2_PROBE = """
 import sys, torch
-from evospec.kernels.kquant import KQuantLinear, q4k_from_dense, q6k_from_dense
+from evospec.kernels.kquant import KQuantLinear, q4k_from_dense, q5_0_from_dense, q6k_from_dense, q8_0_from_dense
 torch.manual_seed(0)
 w = torch.randn(320, 1536) * 0.03
-layer = KQuantLinear([q4k_from_dense(w[:256]), q6k_from_dense(w[256:])], torch.randn(320), torch.float32)
-x = torch.randn(20, 1536)
-rows = torch.cat([layer(x[i:i + 1]) for i in range(20)])
-assert torch.equal(layer(x), rows), "rows round differently"
-torch.save(rows, sys.argv[1])
+outputs = []
+for parts in ([q4k_from_dense(w[:256]), q6k_from_dense(w[256:])], [q5_0_from_dense(w[:256]), q8_0_from_dense(w[256:])]):
+    layer = KQuantLinear(parts, torch.randn(320), torch.float32)
+    x = torch.randn(20, 1536)
+    rows = torch.cat([layer(x[i:i + 1]) for i in range(20)])
+    assert torch.equal(layer(x), rows), "rows round differently"
+    outputs.append(rows)
+torch.save(torch.stack(outputs), sys.argv[1])
 """
 
 
