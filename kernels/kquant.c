@@ -1,5 +1,5 @@
-/* Matrix products on GGUF k-quant weight blocks (Q4_K, Q6_K) times int8 activation blocks (Q8_K), for a CPU
- * with AVX2. Built at first use by kernels/kquant.py (gcc -O3 -march=native -fopenmp) and called through ctypes.
+/* Matrix products on GGUF quantized weight blocks times int8 activation blocks, for a CPU with AVX2. Built at first
+ * use by kernels/kquant.py (gcc -O3 -march=native -fopenmp) and called through ctypes.
  *
  * Weights are kept as llama.cpp quantized them, unpacked only where that makes the inner loop simpler:
  *   Q4_K, per output row and super-block of 256 inputs: float d, dmin; 8 sub-blocks of 32 with 6-bit scale sc[j]
@@ -7,6 +7,7 @@
  *     64c + i in its low nibble and 64c + 32 + i in its high one). w = d * sc[j] * q - dmin * mn[j].
  *   Q6_K, per output row and super-block: float d; 16 sub-blocks of 16 with int8 scale sc[k]; 256 values q in
  *     0..63, their low 4 bits (ql) and high 2 bits (qh) packed as ggml packs them. w = d * sc[k] * (q - 32).
+ *   Q5_0 and Q8_0 (blocks of 32 inputs, for maps whose input width is not a multiple of 256): see "32-input blocks".
  * Activations, per row and super-block: float da; int8 a (round(x / da), da = max|x| / 127); the sums of a over
  * each 16 inputs (bsum16) and each 32 (bsum32).
  *
@@ -22,9 +23,7 @@
 #include <string.h>
 
 #define QK 256
-/* Work is tiled by TILE_N output columns (their weights stay in L2 while every row tile passes) and TILE_M rows
- * (their activations stay in L1/L2 while the columns pass): a 256-row prefill chunk reads each weight block from
- * memory once, not once per row. Tiling changes which (m, n) run when, never the operations of one (m, n). */
+/* Output columns and rows per tile (tile()). */
 #define TILE_N 16
 #define TILE_M 16
 /* AVX512-VNNI: 64 weight bytes times 64 activation bytes per maddubs + dpwssd; else AVX2's maddubs + madd on 32. The results are
@@ -111,87 +110,96 @@ void quantize_rows_q8k(const float *x, int64_t M, int64_t K, int8_t *a, float *d
     }
 }
 
-/* out[m, n] (row stride ldo) = sum_k W[n, k] x[m, k] (+ bias[n]) for Q4_K weights.
- * qs [N, K/2] nibbles, sc and mn [N, K/32] uint8, d and dmin [N, K/256]. */
-void matmul_q4k(const uint8_t *qs, const uint8_t *sc, const uint8_t *mn, const float *d, const float *dmin,
-                const float *bias, int64_t N, int64_t K, const int8_t *a, const float *da, const int16_t *bsum32,
-                int64_t M, float *out, int64_t ldo, int threads) {
+/* --- one output column at a time ---------------------------------------------------------------------------------
+ * Each kernel below computes R rows (up to TILE_M) of one output column n. For a decode or a short verify (R <= 4)
+ * R is a constant where they are called (tile()), so each row's accumulators stay in registers; more rows share
+ * each unpacked weight block with accumulators in L1. A row's operations never depend on R or on the other rows,
+ * so where its accumulators live does not change its result. */
+
+/* Weights of one map (the fields a kind uses) and the activations' blocks. */
+typedef struct {
+    const uint8_t *values, *high, *scales, *mins;
+    const float *d, *dmin;
+} Weights;
+typedef struct {
+    const int8_t *a;
+    const float *da;
+    const int16_t *sums;  /* Q4_K: sums per 32 inputs, Q6_K: per 16; 32-blocks: none */
+} Activations;
+
+enum { KIND_Q4K, KIND_Q6K, KIND_Q5_0, KIND_Q8_0 };
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* Q4_K: values [N, K/2] nibbles, scales and mins [N, K/32] uint8, d and dmin [N, K/256]. */
+ALWAYS_INLINE void column_q4k(const int R, const Weights *W, int64_t n, int64_t K, const Activations *A, int64_t m0,
+                              float sums[TILE_M]) {
     const int64_t nb = K / QK;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t block = 0; block < (N + TILE_N - 1) / TILE_N; block++)
-    for (int64_t m0 = 0; m0 < M; m0 += TILE_M)
-    for (int64_t n = block * TILE_N; n < N && n < (block + 1) * TILE_N; n++) {
-        const int64_t mt = M - m0 < TILE_M ? M - m0 : TILE_M;
 #if KQ_AVX512
-        __m512 facc[TILE_M];  /* one float lane per int32 lane of the products: no narrowing per super-block */
+    __m512 facc[TILE_M];  /* one float lane per int32 lane of the products: no narrowing per super-block */
 #else
-        __m256 facc[TILE_M];
+    __m256 facc[TILE_M];
 #endif
-        __m128 macc[TILE_M];
-        for (int64_t i = 0; i < mt; i++) {
+    __m128 macc[TILE_M];
+    for (int r = 0; r < R; r++) {
 #if KQ_AVX512
-            facc[i] = _mm512_setzero_ps();
+        facc[r] = _mm512_setzero_ps();
 #else
-            facc[i] = _mm256_setzero_ps();
+        facc[r] = _mm256_setzero_ps();
 #endif
-            macc[i] = _mm_setzero_ps();
-        }
-        const __m256i low4 = _mm256_set1_epi8(0x0F);
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *q = qs + n * (K / 2) + b * (QK / 2);
-            const uint8_t *scb = sc + n * (K / 32) + b * 8;
-            const uint8_t *mnb = mn + n * (K / 32) + b * 8;
-#if KQ_AVX512
-            /* 512 bits = one 32-byte chunk: its low nibbles (sub-block 2c) then its high ones (2c + 1); maddubs sums
-             * pairs of products into int16 lanes (0-15 in sub-block 2c, 16-31 in 2c + 1) and dpwssd adds each pair
-             * of lanes times its sub-block's scale into an int32 lane. */
-            __m512i w[4], s[4];
-            for (int c = 0; c < 4; c++) {
-                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
-                w[c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, low4)),
-                                          _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4), 1);
-                s[c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(scb[2 * c])),
-                                          _mm256_set1_epi16(scb[2 * c + 1]), 1);
-            }
-#else
-            __m256i w[8], s[8];
-            for (int c = 0; c < 4; c++) {
-                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
-                w[2 * c] = _mm256_and_si256(bytes, low4);
-                w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
-                s[2 * c] = _mm256_set1_epi16(scb[2 * c]);
-                s[2 * c + 1] = _mm256_set1_epi16(scb[2 * c + 1]);
-            }
-#endif
-            const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mnb));
-            const float wd = d[n * nb + b], wdmin = dmin[n * nb + b];
-            for (int64_t i = 0; i < mt; i++) {
-                const int64_t m = m0 + i;
-                const int8_t *am = a + m * K + b * QK;
-#if KQ_AVX512
-                facc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block_dot(w, s, am)), _mm512_set1_ps(wd * da[m * nb + b]),
-                                          facc[i]);
-#else
-                facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(w, s, am)), _mm256_set1_ps(wd * da[m * nb + b]),
-                                          facc[i]);
-#endif
-                const __m128i bs = _mm_loadu_si128((const __m128i *)(bsum32 + m * (K / 32) + b * 8));
-                const __m128i msum = _mm_madd_epi16(mins, bs);
-                macc[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(msum), _mm_set1_ps(wdmin * da[m * nb + b]), macc[i]);
-            }
-        }
-        const float bn = bias ? bias[n] : 0.0f;
-#if KQ_AVX512
-        for (int64_t i = 0; i < mt; i++)
-            out[(m0 + i) * ldo + n] = (hsum8(_mm256_add_ps(_mm512_castps512_ps256(facc[i]),
-                                                           _mm512_extractf32x8_ps(facc[i], 1))) - hsum4(macc[i])) + bn;
-#else
-        for (int64_t i = 0; i < mt; i++) out[(m0 + i) * ldo + n] = (hsum8(facc[i]) - hsum4(macc[i])) + bn;
-#endif
+        macc[r] = _mm_setzero_ps();
     }
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *q = W->values + n * (K / 2) + b * (QK / 2);
+        const uint8_t *scb = W->scales + n * (K / 32) + b * 8;
+#if KQ_AVX512
+        /* 512 bits = one 32-byte chunk: its low nibbles (sub-block 2c) then its high ones (2c + 1); maddubs sums
+         * pairs of products into int16 lanes (0-15 in sub-block 2c, 16-31 in 2c + 1) and dpwssd adds each pair of
+         * lanes times its sub-block's scale into an int32 lane. */
+        __m512i w[4], s[4];
+        for (int c = 0; c < 4; c++) {
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
+            w[c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, low4)),
+                                      _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4), 1);
+            s[c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(scb[2 * c])),
+                                      _mm256_set1_epi16(scb[2 * c + 1]), 1);
+        }
+#else
+        __m256i w[8], s[8];
+        for (int c = 0; c < 4; c++) {
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
+            w[2 * c] = _mm256_and_si256(bytes, low4);
+            w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+            s[2 * c] = _mm256_set1_epi16(scb[2 * c]);
+            s[2 * c + 1] = _mm256_set1_epi16(scb[2 * c + 1]);
+        }
+#endif
+        const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(W->mins + n * (K / 32) + b * 8)));
+        const float wd = W->d[n * nb + b], wdmin = W->dmin[n * nb + b];
+        for (int r = 0; r < R; r++) {
+            const int64_t m = m0 + r;
+            const int8_t *am = A->a + m * K + b * QK;
+#if KQ_AVX512
+            facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block_dot(w, s, am)), _mm512_set1_ps(wd * A->da[m * nb + b]),
+                                      facc[r]);
+#else
+            facc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(w, s, am)), _mm256_set1_ps(wd * A->da[m * nb + b]),
+                                      facc[r]);
+#endif
+            const __m128i bs = _mm_loadu_si128((const __m128i *)(A->sums + m * (K / 32) + b * 8));
+            macc[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mins, bs)), _mm_set1_ps(wdmin * A->da[m * nb + b]),
+                                   macc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+#if KQ_AVX512
+        sums[r] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(facc[r]), _mm512_extractf32x8_ps(facc[r], 1))) -
+                  hsum4(macc[r]);
+#else
+        sums[r] = hsum8(facc[r]) - hsum4(macc[r]);
+#endif
 }
 
-/* The same for Q6_K weights: ql [N, K/2], qh [N, K/4] (unpack_q6k), sc [N, K/16] int8, d [N, K/256]. */
 /* The 256 values 0..63 of one Q6_K super-block, in input order, as 8 x 32 bytes: ql holds their low 4 bits (128
  * bytes), qh their high 2 (64 bytes), in ggml's interleaving (per half of 128: ql byte l holds values l and l + 64
  * in its low and high nibble, ql byte l + 32 values l + 32 and l + 96; qh byte l their high bits, 2 each). */
@@ -209,74 +217,66 @@ static inline void unpack_q6k(const uint8_t *ql, const uint8_t *qh, __m256i v[8]
     }
 }
 
-void matmul_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const float *d, const float *bias, int64_t N, int64_t K,
-                const int8_t *a, const float *da, const int16_t *bsum16, int64_t M, float *out, int64_t ldo,
-                int threads) {
+/* Q6_K: values [N, K/2] (low 4 bits), high [N, K/4] (high 2), scales [N, K/16] int8, d [N, K/256]. */
+ALWAYS_INLINE void column_q6k(const int R, const Weights *W, int64_t n, int64_t K, const Activations *A, int64_t m0,
+                              float sums[TILE_M]) {
     const int64_t nb = K / QK;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t block = 0; block < (N + TILE_N - 1) / TILE_N; block++)
-    for (int64_t m0 = 0; m0 < M; m0 += TILE_M)
-    for (int64_t n = block * TILE_N; n < N && n < (block + 1) * TILE_N; n++) {
-        const int64_t mt = M - m0 < TILE_M ? M - m0 : TILE_M;
-        __m256 facc[TILE_M];
-        for (int64_t i = 0; i < mt; i++) facc[i] = _mm256_setzero_ps();
-        /* Within a 128-bit lane, bytes 0-7 take scale 0 and bytes 8-15 scale 1 of a pair of sub-blocks. */
+    __m256 facc[TILE_M];
+    for (int r = 0; r < R; r++) facc[r] = _mm256_setzero_ps();
 #if KQ_AVX512
-        const __m128i spread_lo = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-        const __m128i spread_hi = _mm_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    /* Within a 128-bit lane, bytes 0-7 take scale 0 and bytes 8-15 scale 1 of a pair of sub-blocks. */
+    const __m128i spread_lo = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m128i spread_hi = _mm_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
 #else
-        /* Within a 128-bit lane, bytes 0-7 take scale 0 and bytes 8-15 scale 1 of a pair of sub-blocks. */
-        const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                              2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    /* Within a 128-bit lane, bytes 0-7 take scale 0 and bytes 8-15 scale 1 of a pair of sub-blocks. */
+    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
 #endif
-        for (int64_t b = 0; b < nb; b++) {
-            const int8_t *scb = sc + n * (K / 16) + b * 16;
-            __m256i v[8];
-            unpack_q6k(ql + n * (K / 2) + b * (QK / 2), qh + n * (K / 4) + b * (QK / 4), v);
+    for (int64_t b = 0; b < nb; b++) {
+        const int8_t *scb = (const int8_t *)W->scales + n * (K / 16) + b * 16;
+        __m256i v[8];
+        unpack_q6k(W->values + n * (K / 2) + b * (QK / 2), W->high + n * (K / 4) + b * (QK / 4), v);
 #if KQ_AVX512
-            /* 64 values = 4 sub-blocks of 16; maddubs gives 8 int16 lanes per sub-block, each pair times its scale
-             * into an int32 lane (dpwssd). */
-            __m512i w[4], s[4];
-            for (int c = 0; c < 4; c++) {
-                w[c] = _mm512_inserti64x4(_mm512_castsi256_si512(v[2 * c]), v[2 * c + 1], 1);
-                int32_t four;
-                memcpy(&four, scb + 4 * c, 4);
-                const __m128i scales4 = _mm_cvtsi32_si128(four);
-                s[c] = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_shuffle_epi8(scales4, spread_hi),
-                                                             _mm_shuffle_epi8(scales4, spread_lo)));
-            }
-#else
-            __m256i w[8], s[8];
-            for (int c = 0; c < 8; c++) {
-                /* 32 values = 2 sub-blocks of 16; maddubs pairs them into 16 int16 lanes, 8 per sub-block. */
-                w[c] = v[c];
-                int32_t four = 0;
-                memcpy(&four, scb + 2 * c, 2);
-                const __m128i two = _mm_shuffle_epi8(_mm_cvtsi32_si128(four), _mm256_castsi256_si128(pick));
-                s[c] = _mm256_cvtepi8_epi16(two);
-            }
-#endif
-            const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scb));
-            const float wd = d[n * nb + b];
-            for (int64_t i = 0; i < mt; i++) {
-                const int64_t m = m0 + i;
-                const int8_t *am = a + m * K + b * QK;
-#if KQ_AVX512
-                const __m512i isum512 = block_dot(w, s, am);
-                __m256i isum = _mm256_add_epi32(_mm512_castsi512_si256(isum512),
-                                                _mm512_extracti64x4_epi64(isum512, 1));
-#else
-                __m256i isum = block_dot(w, s, am);
-#endif
-                /* minus 32 * sum_k sc[k] * bsum16[k]: the offset of q */
-                const __m256i bs = _mm256_loadu_si256((const __m256i *)(bsum16 + m * (K / 16) + b * 16));
-                isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(scales16, bs), 5));
-                facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(wd * da[m * nb + b]), facc[i]);
-            }
+        /* 64 values = 4 sub-blocks of 16; maddubs gives 8 int16 lanes per sub-block, each pair times its scale into
+         * an int32 lane (dpwssd). */
+        __m512i w[4], s[4];
+        for (int c = 0; c < 4; c++) {
+            w[c] = _mm512_inserti64x4(_mm512_castsi256_si512(v[2 * c]), v[2 * c + 1], 1);
+            int32_t four;
+            memcpy(&four, scb + 4 * c, 4);
+            const __m128i scales4 = _mm_cvtsi32_si128(four);
+            s[c] = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_shuffle_epi8(scales4, spread_hi),
+                                                         _mm_shuffle_epi8(scales4, spread_lo)));
         }
-        const float bn = bias ? bias[n] : 0.0f;
-        for (int64_t i = 0; i < mt; i++) out[(m0 + i) * ldo + n] = hsum8(facc[i]) + bn;
+#else
+        __m256i w[8], s[8];
+        for (int c = 0; c < 8; c++) {
+            /* 32 values = 2 sub-blocks of 16; maddubs pairs them into 16 int16 lanes, 8 per sub-block. */
+            w[c] = v[c];
+            int32_t four = 0;
+            memcpy(&four, scb + 2 * c, 2);
+            const __m128i two = _mm_shuffle_epi8(_mm_cvtsi32_si128(four), _mm256_castsi256_si128(pick));
+            s[c] = _mm256_cvtepi8_epi16(two);
+        }
+#endif
+        const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scb));
+        const float wd = W->d[n * nb + b];
+        for (int r = 0; r < R; r++) {
+            const int64_t m = m0 + r;
+            const int8_t *am = A->a + m * K + b * QK;
+#if KQ_AVX512
+            const __m512i isum512 = block_dot(w, s, am);
+            __m256i isum = _mm256_add_epi32(_mm512_castsi512_si256(isum512), _mm512_extracti64x4_epi64(isum512, 1));
+#else
+            __m256i isum = block_dot(w, s, am);
+#endif
+            /* minus 32 * sum_k sc[k] * bsum16[k]: the offset of q */
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(A->sums + m * (K / 16) + b * 16));
+            isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(scales16, bs), 5));
+            facc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(wd * A->da[m * nb + b]), facc[r]);
+        }
     }
+    for (int r = 0; r < R; r++) sums[r] = hsum8(facc[r]);
 }
 
 /* --- 32-input blocks: Q5_0 and Q8_0 weights times Q8_0 activations ----------------------------------------------
@@ -346,86 +346,105 @@ static inline __m256i block_dot32(const __m256i w, const __m256i aw, const int8_
 #endif
 }
 
-/* Block b of output column n as signed bytes: Q5_0 (five_bit) or Q8_0. */
-static inline __attribute__((always_inline)) __m256i block_weights(const int five_bit, const uint8_t *qs,
-                                                                   const uint8_t *qh, int64_t n, int64_t K, int64_t b) {
-    return five_bit ? unpack_q5_0(qs + n * (K / 2) + b * (QK0 / 2), qh + n * (K / 8) + b * (QK0 / 8))
-                    : _mm256_loadu_si256((const __m256i *)(qs + n * K + b * QK0));
+/* Block b of output column n as signed bytes: Q5_0 (values [N, K/2], high [N, K/8]) or Q8_0 (values [N, K]). */
+ALWAYS_INLINE __m256i block_weights(const int kind, const Weights *W, int64_t n, int64_t K, int64_t b) {
+    return kind == KIND_Q5_0
+        ? unpack_q5_0(W->values + n * (K / 2) + b * (QK0 / 2), W->high + n * (K / 8) + b * (QK0 / 8))
+        : _mm256_loadu_si256((const __m256i *)(W->values + n * K + b * QK0));
 }
 
-/* acc[r] += (block b of column n) . (block b of row m0 + r) * its two scales, for R rows. */
-static inline __attribute__((always_inline)) void add_block(const int R, const int five_bit, const uint8_t *qs,
-        const uint8_t *qh, const float *d, int64_t n, int64_t K, int64_t b, const int8_t *a, const float *da,
-        int64_t m0, __m256 acc[4]) {
+/* acc[r] += (block b of column n) . (block b of row m0 + r) times their two scales, for R rows. */
+ALWAYS_INLINE void add_block(const int R, const int kind, const Weights *W, int64_t n, int64_t K, int64_t b,
+                             const Activations *A, int64_t m0, __m256 acc[TILE_M]) {
     const int64_t nb = K / QK0;
-    const __m256i w = block_weights(five_bit, qs, qh, n, K, b);
+    const __m256i w = block_weights(kind, W, n, K, b);
     const __m256i aw = _mm256_sign_epi8(w, w);
-    const float wd = d[n * nb + b];
+    const float wd = W->d[n * nb + b];
     for (int r = 0; r < R; r++)
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot32(w, aw, a + (m0 + r) * K + b * QK0)),
-                                 _mm256_set1_ps(wd * da[(m0 + r) * nb + b]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot32(w, aw, A->a + (m0 + r) * K + b * QK0)),
+                                 _mm256_set1_ps(wd * A->da[(m0 + r) * nb + b]), acc[r]);
 }
 
-/* Up to 4 rows (R) of output column n, R and five_bit constants where it is called, so the accumulators stay in
- * registers: each row sums even and odd blocks in two accumulators (two independent chains of multiply-adds),
- * added at the end. A row's operations do not depend on R or on the other rows. */
-static inline __attribute__((always_inline)) void column_32blocks(
-        const int R, const int five_bit, const uint8_t *qs, const uint8_t *qh, const float *d, int64_t n, int64_t K,
-        const int8_t *a, const float *da, int64_t m0, float sums[4]) {
+/* Q5_0 / Q8_0 (d [N, K/32]): one multiply-add per 32 inputs, so each row sums even and odd blocks in two
+ * accumulators (two independent chains), added at the end. */
+ALWAYS_INLINE void column_32blocks(const int R, const int kind, const Weights *W, int64_t n, int64_t K,
+                                   const Activations *A, int64_t m0, float sums[TILE_M]) {
     const int64_t nb = K / QK0;
-    __m256 even[4], odd[4];
+    __m256 even[TILE_M], odd[TILE_M];
     for (int r = 0; r < R; r++) even[r] = odd[r] = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 1 < nb; b += 2) {
-        add_block(R, five_bit, qs, qh, d, n, K, b, a, da, m0, even);
-        add_block(R, five_bit, qs, qh, d, n, K, b + 1, a, da, m0, odd);
+        add_block(R, kind, W, n, K, b, A, m0, even);
+        add_block(R, kind, W, n, K, b + 1, A, m0, odd);
     }
-    if (b < nb) add_block(R, five_bit, qs, qh, d, n, K, b, a, da, m0, even);
+    if (b < nb) add_block(R, kind, W, n, K, b, A, m0, even);
     for (int r = 0; r < R; r++) sums[r] = hsum8(_mm256_add_ps(even[r], odd[r]));
 }
 
-#define COLUMN_ROWS(five_bit, R) column_32blocks(R, five_bit, qs, qh, d, n, K, a, da, m0 + r0, sums)
+ALWAYS_INLINE void column(const int kind, const int R, const Weights *W, int64_t n, int64_t K, const Activations *A,
+                          int64_t m0, float sums[TILE_M]) {
+    if (kind == KIND_Q4K) column_q4k(R, W, n, K, A, m0, sums);
+    else if (kind == KIND_Q6K) column_q6k(R, W, n, K, A, m0, sums);
+    else column_32blocks(R, kind, W, n, K, A, m0, sums);
+}
 
-/* out[m, n] (row stride ldo) = sum_k W[n, k] x[m, k] (+ bias[n]) for Q5_0 (qh != NULL: qs [N, K/2], qh [N, K/8])
- * or Q8_0 (qh == NULL: qs [N, K] int8) weights, d [N, K/32]; activations from quantize_rows_q8_0. */
-static inline void matmul_32blocks(const uint8_t *qs, const uint8_t *qh, const float *d, const float *bias, int64_t N,
-                                   int64_t K, const int8_t *a, const float *da, int64_t M, float *out, int64_t ldo,
-                                   int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t block = 0; block < (N + TILE_N - 1) / TILE_N; block++)
+/* Output columns block * TILE_N .. + TILE_N, every row: out[m, n] (row stride ldo) = sum_k W[n, k] x[m, k]
+ * (+ bias[n]). Work is tiled by TILE_N output columns (their weights stay in L2 while every row tile passes) and
+ * TILE_M rows (their activations stay in L1/L2 while the columns pass): a 256-row prefill chunk reads each weight
+ * block from memory once, not once per row. Tiling changes which (m, n) run when, never the operations of one
+ * (m, n). Threads split the blocks of columns (the callers' omp loops). */
+ALWAYS_INLINE void tile(const int kind, const Weights *W, const float *bias, int64_t N, int64_t K,
+                        const Activations *A, int64_t M, float *out, int64_t ldo, int64_t block) {
     for (int64_t m0 = 0; m0 < M; m0 += TILE_M)
     for (int64_t n = block * TILE_N; n < N && n < (block + 1) * TILE_N; n++) {
         const int64_t mt = M - m0 < TILE_M ? M - m0 : TILE_M;
         const float bn = bias ? bias[n] : 0.0f;
-        for (int64_t r0 = 0; r0 < mt; r0 += 4) {
-            float sums[4];
-            const int R = mt - r0 < 4 ? (int)(mt - r0) : 4;
-            if (qh) {
-                switch (R) {
-                    case 1: COLUMN_ROWS(1, 1); break;
-                    case 2: COLUMN_ROWS(1, 2); break;
-                    case 3: COLUMN_ROWS(1, 3); break;
-                    default: COLUMN_ROWS(1, 4); break;
-                }
-            } else {
-                switch (R) {
-                    case 1: COLUMN_ROWS(0, 1); break;
-                    case 2: COLUMN_ROWS(0, 2); break;
-                    case 3: COLUMN_ROWS(0, 3); break;
-                    default: COLUMN_ROWS(0, 4); break;
-                }
-            }
-            for (int r = 0; r < R; r++) out[(m0 + r0 + r) * ldo + n] = sums[r] + bn;
+        float sums[TILE_M];
+        switch (mt) {
+            case 1: column(kind, 1, W, n, K, A, m0, sums); break;
+            case 2: column(kind, 2, W, n, K, A, m0, sums); break;
+            case 3: column(kind, 3, W, n, K, A, m0, sums); break;
+            case 4: column(kind, 4, W, n, K, A, m0, sums); break;
+            default: column(kind, (int)mt, W, n, K, A, m0, sums); break;
         }
+        for (int64_t r = 0; r < mt; r++) out[(m0 + r) * ldo + n] = sums[r] + bn;
     }
+}
+
+#define COLUMN_BLOCKS(N) (((N) + TILE_N - 1) / TILE_N)
+
+/* The kernels called from kernels/kquant.py. Activations: quantize_rows_q8k for Q4_K (bsum32) and Q6_K (bsum16),
+ * quantize_rows_q8_0 for Q5_0 and Q8_0. */
+void matmul_q4k(const uint8_t *qs, const uint8_t *sc, const uint8_t *mn, const float *d, const float *dmin,
+                const float *bias, int64_t N, int64_t K, const int8_t *a, const float *da, const int16_t *bsum32,
+                int64_t M, float *out, int64_t ldo, int threads) {
+    const Weights W = {.values = qs, .scales = sc, .mins = mn, .d = d, .dmin = dmin};
+    const Activations A = {a, da, bsum32};
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t block = 0; block < COLUMN_BLOCKS(N); block++) tile(KIND_Q4K, &W, bias, N, K, &A, M, out, ldo, block);
+}
+
+void matmul_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const float *d, const float *bias, int64_t N,
+                int64_t K, const int8_t *a, const float *da, const int16_t *bsum16, int64_t M, float *out, int64_t ldo,
+                int threads) {
+    const Weights W = {.values = ql, .high = qh, .scales = (const uint8_t *)sc, .d = d};
+    const Activations A = {a, da, bsum16};
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t block = 0; block < COLUMN_BLOCKS(N); block++) tile(KIND_Q6K, &W, bias, N, K, &A, M, out, ldo, block);
 }
 
 void matmul_q5_0(const uint8_t *qs, const uint8_t *qh, const float *d, const float *bias, int64_t N, int64_t K,
                  const int8_t *a, const float *da, int64_t M, float *out, int64_t ldo, int threads) {
-    matmul_32blocks(qs, qh, d, bias, N, K, a, da, M, out, ldo, threads);
+    const Weights W = {.values = qs, .high = qh, .d = d};
+    const Activations A = {a, da, NULL};
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t block = 0; block < COLUMN_BLOCKS(N); block++) tile(KIND_Q5_0, &W, bias, N, K, &A, M, out, ldo, block);
 }
 
 void matmul_q8_0(const int8_t *qs, const float *d, const float *bias, int64_t N, int64_t K, const int8_t *a,
                  const float *da, int64_t M, float *out, int64_t ldo, int threads) {
-    matmul_32blocks((const uint8_t *)qs, NULL, d, bias, N, K, a, da, M, out, ldo, threads);
+    const Weights W = {.values = (const uint8_t *)qs, .d = d};
+    const Activations A = {a, da, NULL};
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t block = 0; block < COLUMN_BLOCKS(N); block++) tile(KIND_Q8_0, &W, bias, N, K, &A, M, out, ldo, block);
 }

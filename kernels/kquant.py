@@ -383,6 +383,16 @@ class KQuantLinear(nn.Module):
         """The dense weight [out, in] (float32) this map multiplies by (activations are quantized on top)."""
         return torch.cat([self.part(i).dequantized() for i in range(len(self.kinds))])
 
+    def rows(self, ids: torch.Tensor) -> "KQuantLinear":
+        """A map of these output rows only, in this order (blocks copied; one part): a pruned LM head (FR-Spec,
+        EvoSpec) reads the blocks of its vocabulary's rows, not the dense rows."""
+        if len(self.kinds) != 1:
+            raise ValueError("rows() takes the rows of a one-part map (an LM head)")
+        part = self.part(0)
+        picked = {name: tensor.index_select(0, ids) for name, tensor in part.tensors().items()}
+        bias = None if self.bias is None else self.bias.index_select(0, ids)
+        return KQuantLinear([KQuantWeight(part.kind, **{"scales": None} | picked)], bias, self.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float().contiguous()
         m = rows.shape[0]

@@ -7,18 +7,26 @@ subset index to its full-vocabulary token id.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from evospec.kernels.linear import linear
 
 
-def gather_head_rows(head_weight: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
-    """head_weight: [vocab, hidden], row_ids: [k] -> [k, hidden] contiguous copy (done once, not per step)."""
+def gather_head_rows(head_weight: torch.Tensor, row_ids: torch.Tensor,
+                     quantized_head: nn.Module | None = None) -> torch.Tensor | nn.Module:
+    """head_weight: [vocab, hidden], row_ids: [k] -> [k, hidden] contiguous copy (done once, not per step); or, given
+    the model's quantized LM head as a map that can gather rows (kernels/kquant.py KQuantLinear.rows: a draft in
+    format gguf), that map restricted to row_ids: a quarter of the bytes per draft step for Q8_0 blocks."""
+    if quantized_head is not None and hasattr(quantized_head, "rows"):
+        return quantized_head.rows(row_ids.to(torch.long))
     return head_weight.index_select(0, row_ids).contiguous()
 
 
-def head_product(hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def head_product(hidden: torch.Tensor, rows: torch.Tensor | nn.Module) -> torch.Tensor:
     """hidden: [n, hidden] x rows: [k, hidden] -> [n, k], in the operand order that is faster on this machine
-    (kernels/linear.py). Rows are a contiguous [k, hidden] matrix."""
+    (kernels/linear.py). Rows are a contiguous [k, hidden] matrix, or a map gathered by gather_head_rows."""
+    if isinstance(rows, nn.Module):
+        return rows(hidden)
     return linear(hidden, rows)
 
 

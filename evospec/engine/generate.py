@@ -67,7 +67,8 @@ class SpeculativeDecoder:
         self.draft = DraftEngine(draft, learner) if draft is not None else None
         if learner is not None:
             learner.start()
-        self.policies = VocabPolicies(draft.head_weight if draft is not None else None, static_ids, cooc)
+        self.policies = VocabPolicies(draft.head_weight if draft is not None else None, static_ids, cooc,
+                                      quantized_head=draft.head if draft is not None else None)
         self.max_model_len = max_model_len or target.cfg.max_position_embeddings
         self.eos_ids = frozenset(eos_ids if eos_ids is not None else (target.cfg.eos_token_id,))
 

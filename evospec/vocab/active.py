@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from evospec.kernels.pruned_head import gather_head_rows, pruned_logits
 
@@ -17,14 +18,15 @@ from evospec.kernels.pruned_head import gather_head_rows, pruned_logits
 @dataclass
 class ActiveVocab:
     row_ids: torch.Tensor  # [K + Dyna] int64 full ids, -1 = unused slot
-    static_rows: torch.Tensor  # [K, hidden] shared
+    static_rows: torch.Tensor | nn.Module  # [K, hidden] shared, or a quantized map of those rows (gather_head_rows)
     dynamic_rows: torch.Tensor | None = None  # [Dyna, hidden] per session
     dynamic_valid: torch.Tensor | None = None  # [Dyna] bool
     dynamic_bias: torch.Tensor | None = None  # [Dyna] float logit offsets (unconfirmed long-tail ids start negative)
 
     @property
     def num_static(self) -> int:
-        return int(self.static_rows.shape[0])
+        rows = self.static_rows
+        return int(rows.out_features if isinstance(rows, nn.Module) else rows.shape[0])
 
     @property
     def size(self) -> int:
@@ -118,10 +120,12 @@ def full_vocab(head_weight: torch.Tensor) -> ActiveVocab:
     return ActiveVocab(torch.arange(head_weight.shape[0], device=head_weight.device), head_weight)
 
 
-def static_vocab(head_weight: torch.Tensor, static_ids: torch.Tensor) -> ActiveVocab:
-    """A = S (method `frspec`; EvoSpec adds dynamic slots per session with `with_dynamic_slots`)."""
+def static_vocab(head_weight: torch.Tensor, static_ids: torch.Tensor,
+                 quantized_head: nn.Module | None = None) -> ActiveVocab:
+    """A = S (method `frspec`; EvoSpec adds dynamic slots per session with `with_dynamic_slots`). quantized_head:
+    the draft's quantized LM head, whose rows the static block reads where it can (gather_head_rows)."""
     static_ids = static_ids.to(head_weight.device)
-    return ActiveVocab(static_ids.clone(), gather_head_rows(head_weight, static_ids))  # [K, hidden], gathered once
+    return ActiveVocab(static_ids.clone(), gather_head_rows(head_weight, static_ids, quantized_head))  # once
 
 
 def batched_logits(hiddens: list[torch.Tensor], actives: list[ActiveVocab]) -> list[torch.Tensor]:

@@ -13,6 +13,7 @@ from functools import partial
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from evospec.verify import VerifyResult
 from evospec.vocab.active import ActiveIds, ActiveVocab, static_vocab
@@ -115,10 +116,10 @@ class EvoSpecPolicy:
 
     def __init__(self, head_weight: torch.Tensor, static_ids: torch.Tensor, settings: EvoSpecSettings,
                  cooc: CoocIndex | None = None, index: NeighbourIndex | None = None,
-                 worker: Executor | None = None):
+                 worker: Executor | None = None, quantized_head: nn.Module | None = None):
         self.head_weight = head_weight
         self.settings = settings
-        self.static = static_vocab(head_weight, static_ids)
+        self.static = static_vocab(head_weight, static_ids, quantized_head)
         vocab = head_weight.shape[0]
         in_static = torch.zeros(vocab, dtype=torch.bool)
         in_static[static_ids.cpu()] = True

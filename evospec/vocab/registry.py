@@ -8,6 +8,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 
 import torch
+from torch import nn
 
 from evospec.config import SpecParams, traits
 from evospec.errors import InvalidRequestError
@@ -39,8 +40,9 @@ class VocabPolicies:
 
     def __init__(self, head_weight: torch.Tensor | None, static_ids: torch.Tensor | None,
                  cooc: CoocIndex | None = None, evospec: EvoSpecSettings = EvoSpecSettings(),
-                 max_cache_bytes: int = 512 << 20):
+                 max_cache_bytes: int = 512 << 20, quantized_head: nn.Module | None = None):
         self.head_weight = head_weight
+        self.quantized_head = quantized_head  # the draft's quantized LM head (static blocks gather its rows), if any
         self.static_ids = static_ids  # ranked by frequency, most frequent first
         self.cooc = cooc
         self.evospec = evospec  # server-wide EvoSpec settings; requests choose sizes and retrieval sources
@@ -97,7 +99,8 @@ class VocabPolicies:
 
     def with_evospec(self, settings: EvoSpecSettings) -> "VocabPolicies":
         """The same vocabularies with other server-wide EvoSpec settings, sharing the index and the worker."""
-        other = VocabPolicies(self.head_weight, self.static_ids, self.cooc, settings, self.max_cache_bytes)
+        other = VocabPolicies(self.head_weight, self.static_ids, self.cooc, settings, self.max_cache_bytes,
+                              self.quantized_head)
         other._index, other._worker = self._index, self._worker
         return other
 
@@ -112,7 +115,8 @@ class VocabPolicies:
                 self._index = EmbeddingIndex(self.head_weight, trained_rows(self.head_weight).nonzero()[:, 0])
             if settings.update_lag and self._worker is None:
                 self._worker = buffer_worker()
-            return EvoSpecPolicy(self.head_weight, layout.static_ids, settings, self.cooc, self._index, self._worker)
+            return EvoSpecPolicy(self.head_weight, layout.static_ids, settings, self.cooc, self._index, self._worker,
+                                 self.quantized_head)
         active = full_vocab(self.head_weight) if layout.static_ids is None \
-            else static_vocab(self.head_weight, layout.static_ids)
+            else static_vocab(self.head_weight, layout.static_ids, self.quantized_head)
         return FixedVocabPolicy(active, self.head_weight.shape[0])

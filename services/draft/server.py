@@ -88,7 +88,7 @@ class DraftServer:
             model, folder = load_model(cfg.model, "draft")
             static_ids, sha = load_static_ids(cfg.static_vocab)
             policies = VocabPolicies(model.head_weight, static_ids, load_cooc(cfg.cooc),
-                                     max_cache_bytes=int(cfg.policy_cache_mb * 2**20))
+                                     max_cache_bytes=int(cfg.policy_cache_mb * 2**20), quantized_head=model.head)
             learner = build_learner(model, cfg.adapt)  # before the head rows are gathered: LoRA wraps the layers only
             server = cls(DraftEngine(model, learner), policies, sha, str(Path(folder)), cfg.max_kv_tokens,
                          cfg.predraft_hypotheses)

@@ -320,3 +320,24 @@ def test_a_failed_build_is_one_line(monkeypatch, tmp_path):
     with pytest.raises(kquant.KQuantUnavailable, match="needs a C compiler"):
         kquant.library()
     assert not kquant.available()
+
+
+def test_a_pruned_head_reads_the_quantized_heads_own_rows():
+    """FR-Spec / EvoSpec's static block of a draft in gguf: the head's Q8_0 blocks of the static ids, whose logits
+    are bitwise the full quantized head's at those ids (each output column is computed on its own); with dynamic
+    slots appended as dense rows."""
+    from evospec.vocab.active import static_vocab
+    torch.manual_seed(0)
+    dense = torch.randn(64, 96) * 0.1
+    head = KQuantLinear([q8_0_from_dense(dense)], None, torch.float32)
+    ids = torch.tensor([5, 0, 63, 17, 18])
+    active = static_vocab(dense, ids, head)
+    assert isinstance(active.static_rows, KQuantLinear) and active.num_static == 5
+    hidden = torch.randn(3, 96)
+    assert torch.equal(active.logits(hidden), head(hidden)[:, ids])
+    session = active.with_dynamic_slots(dense, 2)
+    session.set_dynamic_many(dense, [1], [40], [0.0])
+    logits = session.logits(hidden)
+    assert logits.shape == (3, 7) and torch.isinf(logits[:, 5]).all()
+    assert torch.allclose(logits[:, 6], hidden @ dense[40])
+    assert isinstance(static_vocab(dense, ids).static_rows, torch.Tensor)  # no quantized head: dense rows
