@@ -448,3 +448,64 @@ void matmul_q8_0(const int8_t *qs, const float *d, const float *bias, int64_t N,
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t block = 0; block < COLUMN_BLOCKS(N); block++) tile(KIND_Q8_0, &W, bias, N, K, &A, M, out, ldo, block);
 }
+
+/* --- one call per map ------------------------------------------------------------------------------------------
+ * A map (kernels/kquant.py KQuantLinear) is consecutive row blocks ("parts"), each of one kind; one call quantizes
+ * the activations once for the kinds present and runs every part, so a decode step's ~200 maps cost one ctypes call
+ * each. `scratch` holds the activations: scratch_bytes(M, K) bytes. */
+typedef struct {
+    int64_t kind, rows, column;  /* KIND_*, output rows of the part, its first column in `out` */
+    const uint8_t *values, *high, *scales, *mins;
+    const float *d, *dmin, *bias;  /* bias: the part's own slice, or NULL */
+} Part;
+
+/* The activations' regions in `scratch`, each starting on 64 bytes: Q8_K a, da (per 256), bsum16, bsum32; Q8_0 a,
+ * da (per 32). */
+static inline int64_t up64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
+
+static void scratch_layout(int64_t M, int64_t K, int64_t offsets[7]) {
+    const int64_t sizes[6] = {M * K, 4 * M * (K / QK), 2 * M * (K / 16), 2 * M * (K / 32), M * K, 4 * M * (K / QK0)};
+    offsets[0] = 0;
+    for (int i = 0; i < 6; i++) offsets[i + 1] = offsets[i] + up64(sizes[i]);
+}
+
+int64_t scratch_bytes(int64_t M, int64_t K) {
+    int64_t offsets[7];
+    scratch_layout(M, K, offsets);
+    return offsets[6];
+}
+
+void linear_forward(const float *x, int64_t M, int64_t K, const Part *parts, int64_t nparts, float *out, int64_t ldo,
+                    int threads, uint8_t *scratch) {
+    int super_blocks = 0, blocks32 = 0;
+    for (int64_t p = 0; p < nparts; p++) {
+        if (parts[p].kind == KIND_Q4K || parts[p].kind == KIND_Q6K) super_blocks = 1;
+        else blocks32 = 1;
+    }
+    int64_t at[7];
+    scratch_layout(M, K, at);
+    int8_t *a = (int8_t *)(scratch + at[0]), *a0 = (int8_t *)(scratch + at[4]);
+    float *da = (float *)(scratch + at[1]), *da0 = (float *)(scratch + at[5]);
+    int16_t *bsum16 = (int16_t *)(scratch + at[2]), *bsum32 = (int16_t *)(scratch + at[3]);
+    if (super_blocks) quantize_rows_q8k(x, M, K, a, da, bsum16, bsum32);
+    if (blocks32) quantize_rows_q8_0(x, M, K, a0, da0);
+    for (int64_t p = 0; p < nparts; p++) {
+        const Part *q = &parts[p];
+        float *o = out + q->column;
+        switch (q->kind) {
+            case KIND_Q4K:
+                matmul_q4k(q->values, q->scales, q->mins, q->d, q->dmin, q->bias, q->rows, K, a, da, bsum32, M, o, ldo,
+                           threads);
+                break;
+            case KIND_Q6K:
+                matmul_q6k(q->values, q->high, (const int8_t *)q->scales, q->d, q->bias, q->rows, K, a, da, bsum16, M, o,
+                           ldo, threads);
+                break;
+            case KIND_Q5_0:
+                matmul_q5_0(q->values, q->high, q->d, q->bias, q->rows, K, a0, da0, M, o, ldo, threads);
+                break;
+            default:
+                matmul_q8_0((const int8_t *)q->values, q->d, q->bias, q->rows, K, a0, da0, M, o, ldo, threads);
+        }
+    }
+}

@@ -91,8 +91,20 @@ def library() -> ctypes.CDLL:
     return _LIBRARY
 
 
+class Part(ctypes.Structure):
+    """kquant.c's Part: one row block of a map, in one kind (KIND), with its first column in the output."""
+    _fields_ = [("kind", ctypes.c_int64), ("rows", ctypes.c_int64), ("column", ctypes.c_int64),
+                ("values", ctypes.c_void_p), ("high", ctypes.c_void_p), ("scales", ctypes.c_void_p),
+                ("mins", ctypes.c_void_p), ("d", ctypes.c_void_p), ("dmin", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+KIND = {"q4k": 0, "q6k": 1, "q5_0": 2, "q8_0": 3}  # kquant.c's KIND_*
+
+
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.scratch_bytes.argtypes, lib.scratch_bytes.restype = [i64, i64], i64
+    lib.linear_forward.argtypes, lib.linear_forward.restype = [p, i64, i64, p, i64, p, i64, i32, p], None
     lib.quantize_rows_q8k.argtypes = [p, i64, i64, p, p, p, p]
     lib.matmul_q4k.argtypes = [p, p, p, p, p, p, i64, i64, p, p, p, i64, p, i64, i32]
     lib.matmul_q6k.argtypes = [p, p, p, p, p, i64, i64, p, p, p, i64, p, i64, i32]
@@ -357,23 +369,16 @@ class KQuantLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.dtype = dtype
         self.lib = library()
-        self._calls = [self._call(index) for index in range(len(parts))]
+        # the kernel's description of the parts, made once: a decode step calls ~200 maps, each one C call
+        self._parts = (Part * len(parts))(*(self._part_struct(index) for index in range(len(parts))))
+        self._scratch_per_row = self.lib.scratch_bytes(1, self.in_features) + 64
 
-    # per kind: the kernel, its weight tensors in argument order, and which activation sums it takes after the
-    # activations (kquant.c): Q4_K the sums per 32, Q6_K per 16, the 32-blocks none
-    KERNELS = {"q4k": ("matmul_q4k", ("values", "scales", "mins", "d", "dmin"), "bsum32"),
-               "q6k": ("matmul_q6k", ("values", "high", "scales", "d"), "bsum16"),
-               "q5_0": ("matmul_q5_0", ("values", "high", "d"), None),
-               "q8_0": ("matmul_q8_0", ("values", "d"), None)}
-
-    def _call(self, index: int) -> tuple:
-        """(kernel, weight pointers, bias pointer or None, rows, byte offset into a row of the output, the name of
-        the activation sums it takes or None)."""
+    def _part_struct(self, index: int) -> Part:
         part, start = self.part(index), self.offsets[index]
-        bias = None if self.bias is None else self.bias.data_ptr() + 4 * start
-        kernel, names, sums = self.KERNELS[part.kind]
-        weights = tuple(getattr(part, name).data_ptr() for name in names)
-        return getattr(self.lib, kernel), weights, bias, part.out_features, 4 * start, sums
+        pointers = {name: tensor.data_ptr() for name, tensor in part.tensors().items()}
+        return Part(KIND[part.kind], part.out_features, start, pointers["values"], pointers.get("high"),
+                    pointers.get("scales"), pointers.get("mins"), pointers["d"], pointers.get("dmin"),
+                    None if self.bias is None else self.bias.data_ptr() + 4 * start)
 
     def part(self, index: int) -> KQuantWeight:
         names = ("values", "scales", "d", "mins", "dmin", "high")
@@ -383,7 +388,7 @@ class KQuantLinear(nn.Module):
         """The dense weight [out, in] (float32) this map multiplies by (activations are quantized on top)."""
         return torch.cat([self.part(i).dequantized() for i in range(len(self.kinds))])
 
-    def rows(self, ids: torch.Tensor) -> "KQuantLinear":
+    def rows(self, ids: torch.Tensor) -> KQuantLinear:
         """A map of these output rows only, in this order (blocks copied; one part): a pruned LM head (FR-Spec,
         EvoSpec) reads the blocks of its vocabulary's rows, not the dense rows."""
         if len(self.kinds) != 1:
@@ -394,35 +399,14 @@ class KQuantLinear(nn.Module):
         return KQuantLinear([KQuantWeight(part.kind, **{"scales": None} | picked)], bias, self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).float().contiguous()
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            rows = rows.float().contiguous()
         m = rows.shape[0]
-        activations = self._quantized_activations(rows)
         out = torch.empty(m, self.out_features, dtype=torch.float32)
-        threads, out_ptr = torch.get_num_threads(), out.data_ptr()
-        for kernel, weights, bias, n, offset, sums in self._calls:
-            if sums is None:
-                a, da = activations["q8_0"]
-                kernel(*weights, bias, n, self.in_features, a.data_ptr(), da.data_ptr(), m, out_ptr + offset,
-                       self.out_features, threads)
-            else:
-                a, da, sums_by_name = activations["q8k"]
-                kernel(*weights, bias, n, self.in_features, a.data_ptr(), da.data_ptr(), sums_by_name[sums].data_ptr(),
-                       m, out_ptr + offset, self.out_features, threads)
-        return out.to(self.dtype).view(*x.shape[:-1], self.out_features)
-
-    def _quantized_activations(self, rows: torch.Tensor) -> dict[str, tuple]:
-        """The rows [m, k] as int8 blocks for the parts' kernels: "q8k" (int8, scale per 256, sums per 16 and 32)
-        for k-quant parts, "q8_0" (int8, scale per 32) for Q5_0 / Q8_0 parts."""
-        m, k = rows.shape
-        quantized: dict[str, tuple] = {}
-        if set(self.kinds) & set(SUPER_BLOCK_KINDS):
-            a, da = torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // QK, dtype=torch.float32)
-            sums = {"bsum16": torch.empty(m, k // 16, dtype=torch.int16), "bsum32": torch.empty(m, k // 32, dtype=torch.int16)}
-            self.lib.quantize_rows_q8k(rows.data_ptr(), m, k, a.data_ptr(), da.data_ptr(), sums["bsum16"].data_ptr(),
-                                       sums["bsum32"].data_ptr())
-            quantized["q8k"] = (a, da, sums)
-        if set(self.kinds) & set(BLOCK_KINDS):
-            a, da = torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // QK0, dtype=torch.float32)
-            self.lib.quantize_rows_q8_0(rows.data_ptr(), m, k, a.data_ptr(), da.data_ptr())
-            quantized["q8_0"] = (a, da)
-        return quantized
+        scratch = torch.empty(m * self._scratch_per_row, dtype=torch.uint8)  # the activations' int8 blocks
+        self.lib.linear_forward(rows.data_ptr(), m, self.in_features, self._parts, len(self.kinds), out.data_ptr(),
+                                self.out_features, torch.get_num_threads(), scratch.data_ptr())
+        if self.dtype != torch.float32:
+            out = out.to(self.dtype)
+        return out.view(*x.shape[:-1], self.out_features)

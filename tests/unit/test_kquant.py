@@ -11,8 +11,15 @@ from torch import nn
 
 from evospec.kernels import kquant
 from evospec.kernels.kquant import (
-    KQuantLinear, q4k_from_dense, q4k_from_gguf, q5_0_from_dense, q5_0_from_gguf, q6k_from_dense, q6k_from_gguf,
-    q8_0_from_dense, q8_0_from_gguf,
+    KQuantLinear,
+    q4k_from_dense,
+    q4k_from_gguf,
+    q5_0_from_dense,
+    q5_0_from_gguf,
+    q6k_from_dense,
+    q6k_from_gguf,
+    q8_0_from_dense,
+    q8_0_from_gguf,
 )
 
 pytestmark = pytest.mark.skipif(not kquant.available(), reason="the k-quant kernel needs AVX2 and gcc")
