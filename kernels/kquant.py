@@ -163,6 +163,11 @@ class KQuantWeight:
     def in_features(self) -> int:
         return self.values.shape[1] * (1 if self.kind == "q8_0" else 2)
 
+    @classmethod
+    def of(cls, kind: str, tensors: dict[str, torch.Tensor]) -> KQuantWeight:
+        """A weight of `kind` from its named tensors (as tensors() names them)."""
+        return cls(kind, **{"scales": None} | tensors)
+
     def tensors(self) -> dict[str, torch.Tensor]:
         if self.kind in BLOCK_KINDS:
             return {"values": self.values, "d": self.d} | ({"high": self.high} if self.kind == "q5_0" else {})
@@ -342,7 +347,7 @@ def concatenated(weights: list[KQuantWeight]) -> KQuantWeight:
     if len(weights) == 1:
         return first
     stacked = {name: torch.cat([w.tensors()[name] for w in weights]) for name in first.tensors()}
-    return KQuantWeight(first.kind, **stacked)
+    return KQuantWeight.of(first.kind, stacked)
 
 
 # --- the map ----------------------------------------------------------------------------------------------------
@@ -396,7 +401,7 @@ class KQuantLinear(nn.Module):
         part = self.part(0)
         picked = {name: tensor.index_select(0, ids) for name, tensor in part.tensors().items()}
         bias = None if self.bias is None else self.bias.index_select(0, ids)
-        return KQuantLinear([KQuantWeight(part.kind, **{"scales": None} | picked)], bias, self.dtype)
+        return KQuantLinear([KQuantWeight.of(part.kind, picked)], bias, self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
