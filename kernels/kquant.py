@@ -105,15 +105,6 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.scratch_bytes.argtypes, lib.scratch_bytes.restype = [i64, i64], i64
     lib.linear_forward.argtypes, lib.linear_forward.restype = [p, i64, i64, p, i64, p, i64, i32, p], None
-    lib.quantize_rows_q8k.argtypes = [p, i64, i64, p, p, p, p]
-    lib.matmul_q4k.argtypes = [p, p, p, p, p, p, i64, i64, p, p, p, i64, p, i64, i32]
-    lib.matmul_q6k.argtypes = [p, p, p, p, p, i64, i64, p, p, p, i64, p, i64, i32]
-    lib.quantize_rows_q8_0.argtypes = [p, i64, i64, p, p]
-    lib.matmul_q5_0.argtypes = [p, p, p, p, i64, i64, p, p, i64, p, i64, i32]
-    lib.matmul_q8_0.argtypes = [p, p, p, i64, i64, p, p, i64, p, i64, i32]
-    for function in (lib.quantize_rows_q8k, lib.matmul_q4k, lib.matmul_q6k, lib.quantize_rows_q8_0, lib.matmul_q5_0,
-                     lib.matmul_q8_0):
-        function.restype = None
     return lib
 
 
@@ -353,10 +344,11 @@ def concatenated(weights: list[KQuantWeight]) -> KQuantWeight:
 # --- the map ----------------------------------------------------------------------------------------------------
 
 class KQuantLinear(nn.Module):
-    """`x @ Wᵀ (+ bias)` for W held as consecutive row blocks ("parts") in k-quant blocks, each part in one kind
-    (q/k/v fused where the GGUF keeps v in Q6_K and q, k in Q4_K); the activations are quantized once per call.
-    Output in `dtype`. The kernel calls' weight arguments are prepared once (a decode step makes ~200 such calls);
-    the map holds its tensors, so they stay valid for as long as it lives."""
+    """`x @ Wᵀ (+ bias)` for W held as consecutive row blocks ("parts") in GGUF blocks, each part in one kind
+    (q/k/v fused where the GGUF keeps v in Q6_K and q, k in Q4_K); one C call per forward (kquant.c linear_forward)
+    quantizes the activations once and runs every part. Output in `dtype`. The parts' description for the kernel
+    (their tensors' addresses) is made once (a decode step makes ~200 such calls); the map holds its tensors, so the
+    addresses stay valid for as long as it lives (a copied or moved map would need them rebuilt)."""
 
     def __init__(self, parts: list[KQuantWeight], bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
