@@ -70,34 +70,38 @@ static inline __m256i block_dot(const __m256i w[8], const __m256i s[8], const in
 }
 #endif
 
+/* The int8 block of n floats x (n a multiple of 32) as llama.cpp rounds it: returns da = max|x| / 127 and writes
+ * a = round(x / da) (to nearest, even), in order. */
+static inline float quantize_block(const float *x, int n, int8_t *a) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 vmax = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float d = _mm_cvtss_f32(m4) / 127.0f;
+    const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+    /* pack 4 x 8 int32 into 32 int8 in order (packs work per 128-bit lane) */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int i = 0; i < n; i += 32) {
+        __m256i v[4];
+        for (int j = 0; j < 4; j++)
+            v[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), inv),
+                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+        _mm256_storeu_si256((__m256i *)(a + i), _mm256_permutevar8x32_epi32(packed, order));
+    }
+    return d;
+}
+
 /* x [M, K] float32 -> a [M, K] int8, da [M, K/256], bsum16 [M, K/16], bsum32 [M, K/32] (int16). */
-void quantize_rows_q8k(const float *x, int64_t M, int64_t K, int8_t *a, float *da, int16_t *bsum16,
-                       int16_t *bsum32) {
+static void quantize_rows_q8k(const float *x, int64_t M, int64_t K, int8_t *a, float *da, int16_t *bsum16,
+                              int16_t *bsum32) {
     const int64_t nb = K / QK;
     for (int64_t m = 0; m < M; m++) {
         for (int64_t b = 0; b < nb; b++) {
-            const float *xs = x + m * K + b * QK;
             int8_t *as = a + m * K + b * QK;
-            const __m256 sign = _mm256_set1_ps(-0.0f);
-            __m256 vmax = _mm256_setzero_ps();
-            for (int i = 0; i < QK; i += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xs + i)));
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-            const float amax = _mm_cvtss_f32(m4);
-            const float d = amax / 127.0f;
-            const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
-            da[m * nb + b] = d;
-            /* round to nearest (even), then pack 4 x 8 int32 into 32 int8 in order (packs work per 128-bit lane) */
-            const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-            for (int i = 0; i < QK; i += 32) {
-                __m256i v[4];
-                for (int j = 0; j < 4; j++)
-                    v[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xs + i + 8 * j), inv),
-                                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-                const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
-                _mm256_storeu_si256((__m256i *)(as + i), _mm256_permutevar8x32_epi32(packed, order));
-            }
+            da[m * nb + b] = quantize_block(x + m * K + b * QK, QK, as);
             for (int k = 0; k < QK / 16; k++) {
                 int s = 0;
                 for (int i = 0; i < 16; i++) s += as[16 * k + i];
@@ -116,11 +120,14 @@ void quantize_rows_q8k(const float *x, int64_t M, int64_t K, int8_t *a, float *d
  * each unpacked weight block with accumulators in L1. A row's operations never depend on R or on the other rows,
  * so where its accumulators live does not change its result. */
 
-/* Weights of one map (the fields a kind uses) and the activations' blocks. */
+/* One part of a map (kernels/kquant.py KQuantLinear: consecutive row blocks, each of one kind): its output rows,
+ * its first column in the output, the weight fields its kind uses, its bias slice (or NULL); and the activations'
+ * blocks. */
 typedef struct {
+    int64_t kind, rows, column;  /* KIND_*, output rows of the part, its first column in `out` */
     const uint8_t *values, *high, *scales, *mins;
-    const float *d, *dmin;
-} Weights;
+    const float *d, *dmin, *bias;
+} Part;
 typedef struct {
     const int8_t *a;
     const float *da;
@@ -131,7 +138,7 @@ enum { KIND_Q4K, KIND_Q6K, KIND_Q5_0, KIND_Q8_0 };
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 /* Q4_K: values [N, K/2] nibbles, scales and mins [N, K/32] uint8, d and dmin [N, K/256]. */
-ALWAYS_INLINE void column_q4k(const int R, const Weights *W, int64_t n, int64_t K, const Activations *A, int64_t m0,
+ALWAYS_INLINE void column_q4k(const int R, const Part *W, int64_t n, int64_t K, const Activations *A, int64_t m0,
                               float sums[TILE_M]) {
     const int64_t nb = K / QK;
 #if KQ_AVX512
@@ -218,7 +225,7 @@ static inline void unpack_q6k(const uint8_t *ql, const uint8_t *qh, __m256i v[8]
 }
 
 /* Q6_K: values [N, K/2] (low 4 bits), high [N, K/4] (high 2), scales [N, K/16] int8, d [N, K/256]. */
-ALWAYS_INLINE void column_q6k(const int R, const Weights *W, int64_t n, int64_t K, const Activations *A, int64_t m0,
+ALWAYS_INLINE void column_q6k(const int R, const Part *W, int64_t n, int64_t K, const Activations *A, int64_t m0,
                               float sums[TILE_M]) {
     const int64_t nb = K / QK;
     __m256 facc[TILE_M];
@@ -290,31 +297,10 @@ ALWAYS_INLINE void column_q6k(const int R, const Weights *W, int64_t n, int64_t 
 #define QK0 32
 
 /* x [M, K] float32 -> a [M, K] int8, da [M, K/32]. */
-void quantize_rows_q8_0(const float *x, int64_t M, int64_t K, int8_t *a, float *da) {
+static void quantize_rows_q8_0(const float *x, int64_t M, int64_t K, int8_t *a, float *da) {
     const int64_t nb = K / QK0;
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t m = 0; m < M; m++)
-        for (int64_t b = 0; b < nb; b++) {
-            const float *xs = x + m * K + b * QK0;
-            __m256 v[4], vmax = _mm256_setzero_ps();
-            for (int j = 0; j < 4; j++) {
-                v[j] = _mm256_loadu_ps(xs + 8 * j);
-                vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, v[j]));
-            }
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-            const float d = _mm_cvtss_f32(m4) / 127.0f;
-            const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
-            da[m * nb + b] = d;
-            __m256i q[4];
-            for (int j = 0; j < 4; j++)
-                q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], inv),
-                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-            _mm256_storeu_si256((__m256i *)(a + m * K + b * QK0), _mm256_permutevar8x32_epi32(packed, order));
-        }
+        for (int64_t b = 0; b < nb; b++) da[m * nb + b] = quantize_block(x + m * K + b * QK0, QK0, a + m * K + b * QK0);
 }
 
 /* 32 bytes 0xFF where the bit of `bits` with the byte's index is set, else 0 (llama.cpp's bytes_from_bits_32). */
@@ -347,14 +333,14 @@ static inline __m256i block_dot32(const __m256i w, const __m256i aw, const int8_
 }
 
 /* Block b of output column n as signed bytes: Q5_0 (values [N, K/2], high [N, K/8]) or Q8_0 (values [N, K]). */
-ALWAYS_INLINE __m256i block_weights(const int kind, const Weights *W, int64_t n, int64_t K, int64_t b) {
+ALWAYS_INLINE __m256i block_weights(const int kind, const Part *W, int64_t n, int64_t K, int64_t b) {
     return kind == KIND_Q5_0
         ? unpack_q5_0(W->values + n * (K / 2) + b * (QK0 / 2), W->high + n * (K / 8) + b * (QK0 / 8))
         : _mm256_loadu_si256((const __m256i *)(W->values + n * K + b * QK0));
 }
 
 /* acc[r] += (block b of column n) . (block b of row m0 + r) times their two scales, for R rows. */
-ALWAYS_INLINE void add_block(const int R, const int kind, const Weights *W, int64_t n, int64_t K, int64_t b,
+ALWAYS_INLINE void add_block(const int R, const int kind, const Part *W, int64_t n, int64_t K, int64_t b,
                              const Activations *A, int64_t m0, __m256 acc[TILE_M]) {
     const int64_t nb = K / QK0;
     const __m256i w = block_weights(kind, W, n, K, b);
@@ -367,7 +353,7 @@ ALWAYS_INLINE void add_block(const int R, const int kind, const Weights *W, int6
 
 /* Q5_0 / Q8_0 (d [N, K/32]): one multiply-add per 32 inputs, so each row sums even and odd blocks in two
  * accumulators (two independent chains), added at the end. */
-ALWAYS_INLINE void column_32blocks(const int R, const int kind, const Weights *W, int64_t n, int64_t K,
+ALWAYS_INLINE void column_32blocks(const int R, const int kind, const Part *W, int64_t n, int64_t K,
                                    const Activations *A, int64_t m0, float sums[TILE_M]) {
     const int64_t nb = K / QK0;
     __m256 even[TILE_M], odd[TILE_M];
@@ -381,7 +367,7 @@ ALWAYS_INLINE void column_32blocks(const int R, const int kind, const Weights *W
     for (int r = 0; r < R; r++) sums[r] = hsum8(_mm256_add_ps(even[r], odd[r]));
 }
 
-ALWAYS_INLINE void column(const int kind, const int R, const Weights *W, int64_t n, int64_t K, const Activations *A,
+ALWAYS_INLINE void column(const int kind, const int R, const Part *W, int64_t n, int64_t K, const Activations *A,
                           int64_t m0, float sums[TILE_M]) {
     if (kind == KIND_Q4K) column_q4k(R, W, n, K, A, m0, sums);
     else if (kind == KIND_Q6K) column_q6k(R, W, n, K, A, m0, sums);
@@ -393,12 +379,13 @@ ALWAYS_INLINE void column(const int kind, const int R, const Weights *W, int64_t
  * TILE_M rows (their activations stay in L1/L2 while the columns pass): a 256-row prefill chunk reads each weight
  * block from memory once, not once per row. Tiling changes which (m, n) run when, never the operations of one
  * (m, n). Threads split the blocks of columns (the callers' omp loops). */
-ALWAYS_INLINE void tile(const int kind, const Weights *W, const float *bias, int64_t N, int64_t K,
-                        const Activations *A, int64_t M, float *out, int64_t ldo, int64_t block) {
+ALWAYS_INLINE void tile(const int kind, const Part *W, int64_t K, const Activations *A, int64_t M, float *out,
+                        int64_t ldo, int64_t block) {
+    const int64_t N = W->rows;
     for (int64_t m0 = 0; m0 < M; m0 += TILE_M)
     for (int64_t n = block * TILE_N; n < N && n < (block + 1) * TILE_N; n++) {
         const int64_t mt = M - m0 < TILE_M ? M - m0 : TILE_M;
-        const float bn = bias ? bias[n] : 0.0f;
+        const float bn = W->bias ? W->bias[n] : 0.0f;
         float sums[TILE_M];
         switch (mt) {
             case 1: column(kind, 1, W, n, K, A, m0, sums); break;
@@ -411,53 +398,23 @@ ALWAYS_INLINE void tile(const int kind, const Weights *W, const float *bias, int
     }
 }
 
-#define COLUMN_BLOCKS(N) (((N) + TILE_N - 1) / TILE_N)
-
-/* The kernels called from kernels/kquant.py. Activations: quantize_rows_q8k for Q4_K (bsum32) and Q6_K (bsum16),
- * quantize_rows_q8_0 for Q5_0 and Q8_0. */
-void matmul_q4k(const uint8_t *qs, const uint8_t *sc, const uint8_t *mn, const float *d, const float *dmin,
-                const float *bias, int64_t N, int64_t K, const int8_t *a, const float *da, const int16_t *bsum32,
-                int64_t M, float *out, int64_t ldo, int threads) {
-    const Weights W = {.values = qs, .scales = sc, .mins = mn, .d = d, .dmin = dmin};
-    const Activations A = {a, da, bsum32};
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t block = 0; block < COLUMN_BLOCKS(N); block++) tile(KIND_Q4K, &W, bias, N, K, &A, M, out, ldo, block);
-}
-
-void matmul_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const float *d, const float *bias, int64_t N,
-                int64_t K, const int8_t *a, const float *da, const int16_t *bsum16, int64_t M, float *out, int64_t ldo,
-                int threads) {
-    const Weights W = {.values = ql, .high = qh, .scales = (const uint8_t *)sc, .d = d};
-    const Activations A = {a, da, bsum16};
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t block = 0; block < COLUMN_BLOCKS(N); block++) tile(KIND_Q6K, &W, bias, N, K, &A, M, out, ldo, block);
-}
-
-void matmul_q5_0(const uint8_t *qs, const uint8_t *qh, const float *d, const float *bias, int64_t N, int64_t K,
-                 const int8_t *a, const float *da, int64_t M, float *out, int64_t ldo, int threads) {
-    const Weights W = {.values = qs, .high = qh, .d = d};
-    const Activations A = {a, da, NULL};
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t block = 0; block < COLUMN_BLOCKS(N); block++) tile(KIND_Q5_0, &W, bias, N, K, &A, M, out, ldo, block);
-}
-
-void matmul_q8_0(const int8_t *qs, const float *d, const float *bias, int64_t N, int64_t K, const int8_t *a,
-                 const float *da, int64_t M, float *out, int64_t ldo, int threads) {
-    const Weights W = {.values = (const uint8_t *)qs, .d = d};
-    const Activations A = {a, da, NULL};
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t block = 0; block < COLUMN_BLOCKS(N); block++) tile(KIND_Q8_0, &W, bias, N, K, &A, M, out, ldo, block);
-}
+/* One part times the activations into out[:, part->column:], threads splitting its blocks of columns; one function
+ * per kind, so each compiles its own kind's column code (an OpenMP region is outlined before inlining). */
+#define MATMUL(name, KIND)                                                                                        \
+    static void name(const Part *part, int64_t K, const Activations *A, int64_t M, float *out, int64_t ldo,      \
+                     int threads) {                                                                               \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                                          \
+        for (int64_t block = 0; block < (part->rows + TILE_N - 1) / TILE_N; block++)                              \
+            tile(KIND, part, K, A, M, out + part->column, ldo, block);                                             \
+    }
+MATMUL(matmul_q4k, KIND_Q4K)
+MATMUL(matmul_q6k, KIND_Q6K)
+MATMUL(matmul_q5_0, KIND_Q5_0)
+MATMUL(matmul_q8_0, KIND_Q8_0)
 
 /* --- one call per map ------------------------------------------------------------------------------------------
- * A map (kernels/kquant.py KQuantLinear) is consecutive row blocks ("parts"), each of one kind; one call quantizes
- * the activations once for the kinds present and runs every part, so a decode step's ~200 maps cost one ctypes call
- * each. `scratch` holds the activations: scratch_bytes(M, K) bytes. */
-typedef struct {
-    int64_t kind, rows, column;  /* KIND_*, output rows of the part, its first column in `out` */
-    const uint8_t *values, *high, *scales, *mins;
-    const float *d, *dmin, *bias;  /* bias: the part's own slice, or NULL */
-} Part;
+ * One call quantizes the activations once for the kinds present and runs every part, so a decode step's ~200 maps
+ * cost one ctypes call each. `scratch` holds the activations: scratch_bytes(M, K) bytes. */
 
 /* The activations' regions in `scratch`, each starting on 64 bytes: Q8_K a, da (per 256), bsum16, bsum32; Q8_0 a,
  * da (per 32). */
@@ -489,23 +446,15 @@ void linear_forward(const float *x, int64_t M, int64_t K, const Part *parts, int
     int16_t *bsum16 = (int16_t *)(scratch + at[2]), *bsum32 = (int16_t *)(scratch + at[3]);
     if (super_blocks) quantize_rows_q8k(x, M, K, a, da, bsum16, bsum32);
     if (blocks32) quantize_rows_q8_0(x, M, K, a0, da0);
+    /* Q4_K takes the activations' sums per 32 inputs, Q6_K per 16, the 32-blocks none */
+    const Activations q4k = {a, da, bsum32}, q6k = {a, da, bsum16}, q8_0 = {a0, da0, NULL};
     for (int64_t p = 0; p < nparts; p++) {
-        const Part *q = &parts[p];
-        float *o = out + q->column;
-        switch (q->kind) {
-            case KIND_Q4K:
-                matmul_q4k(q->values, q->scales, q->mins, q->d, q->dmin, q->bias, q->rows, K, a, da, bsum32, M, o, ldo,
-                           threads);
-                break;
-            case KIND_Q6K:
-                matmul_q6k(q->values, q->high, (const int8_t *)q->scales, q->d, q->bias, q->rows, K, a, da, bsum16, M, o,
-                           ldo, threads);
-                break;
-            case KIND_Q5_0:
-                matmul_q5_0(q->values, q->high, q->d, q->bias, q->rows, K, a0, da0, M, o, ldo, threads);
-                break;
-            default:
-                matmul_q8_0((const int8_t *)q->values, q->d, q->bias, q->rows, K, a0, da0, M, o, ldo, threads);
+        const Part *part = &parts[p];
+        switch (part->kind) {
+            case KIND_Q4K: matmul_q4k(part, K, &q4k, M, out, ldo, threads); break;
+            case KIND_Q6K: matmul_q6k(part, K, &q6k, M, out, ldo, threads); break;
+            case KIND_Q5_0: matmul_q5_0(part, K, &q8_0, M, out, ldo, threads); break;
+            default: matmul_q8_0(part, K, &q8_0, M, out, ldo, threads);
         }
     }
 }
