@@ -94,34 +94,26 @@ def test_products_are_the_dequantized_weights_times_int8_activations(kind):
     assert error < 0.02  # int8 activations per 256 inputs: ~0.4% measured; a wrong block or scale is ~100%
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("shape", SHAPES, ids=[f"{o}x{i}" for o, i in SHAPES])
-def test_kernel_rows_are_computed_independently(shape, dtype):
-    out_features, in_features = shape
-    torch.manual_seed(out_features + in_features)
-    weight = torch.randn(out_features, in_features) * in_features ** -0.5
-    split = out_features // 4 * 3  # a Q4_K part then a Q6_K one, as a fused q/k/v with v in Q6_K
-    layer = KQuantLinear([q4k_from_dense(weight[:split]), q6k_from_dense(weight[split:])],
-                         torch.randn(out_features), dtype)
-    x = torch.randn(40, in_features, dtype=dtype)
-    one_at_a_time = torch.cat([layer(x[i:i + 1]) for i in range(40)])
-    for k in (2, 3, 5, 8, 16, 40):
-        assert torch.equal(layer(x[:k]), one_at_a_time[:k]), f"{k} rows round differently from 1"
+# Each shape as its map is split: a Q4_K part then a Q6_K one (a fused q/k/v with v in Q6_K), or for the draft's
+# widths a Q5_0 part then a Q8_0 one (its v projections are Q8_0 in half the layers)
+ROW_CASES = [(shape, q4k_from_dense, q6k_from_dense) for shape in SHAPES] + \
+            [(shape, q5_0_from_dense, q8_0_from_dense) for shape in DRAFT_SHAPES]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("shape", DRAFT_SHAPES, ids=[f"{o}x{i}" for o, i in DRAFT_SHAPES])
-def test_block_kernel_rows_are_computed_independently(shape, dtype):
-    """The same for Q5_0 / Q8_0 maps (the kernel takes rows 1-4 at a time: every group size and remainder)."""
+@pytest.mark.parametrize("shape,first,second", ROW_CASES,
+                         ids=[f"{o}x{i}-{a.__name__[:-11]}" for (o, i), a, _ in ROW_CASES])
+def test_kernel_rows_are_computed_independently(shape, first, second, dtype):
+    """k rows give bitwise the outputs of k 1-row calls (the kernel takes rows 1-4 at a time in registers and more
+    in L1: every group size and remainder)."""
     out_features, in_features = shape
     torch.manual_seed(out_features + in_features)
     weight = torch.randn(out_features, in_features) * in_features ** -0.5
-    split = out_features // 4 * 3  # a Q5_0 part then a Q8_0 one, as the draft's v projections are Q8_0 in half the layers
-    layer = KQuantLinear([q5_0_from_dense(weight[:split]), q8_0_from_dense(weight[split:])],
-                         torch.randn(out_features), dtype)
+    split = out_features // 4 * 3
+    layer = KQuantLinear([first(weight[:split]), second(weight[split:])], torch.randn(out_features), dtype)
     x = torch.randn(40, in_features, dtype=dtype)
     one_at_a_time = torch.cat([layer(x[i:i + 1]) for i in range(40)])
-    for k in (2, 3, 4, 5, 7, 16, 19, 40):
+    for k in (2, 3, 4, 5, 7, 8, 16, 19, 40):
         assert torch.equal(layer(x[:k]), one_at_a_time[:k]), f"{k} rows round differently from 1"
 
 
