@@ -300,29 +300,36 @@ def timed_ar(scheduler, tokenizer, messages: list[dict], sampling, timeout: floa
     return result
 
 
-def run_in_process_ar(cfg, prompt_sets, args, started: float, report: dict) -> None:
-    """The same c=1 requests, plain decoding, through the engine the service runs (the continuous-batching
-    `Scheduler` with the YAML's scheduler settings, over the target loaded as the YAML says) in this process, with no
-    service up: what Ray Serve, gRPC and the service's request handling cost. Its depth controller is off (`ar`
-    never drafts; measuring its cost table would only delay the start)."""
-    import torch
-
-    from evospec.config import SamplingParams
+def in_process_ar_scheduler(cfg):
+    """The engine the service runs (the continuous-batching `Scheduler` with the YAML's scheduler settings, over the
+    target loaded as the YAML says), in this process and for plain decoding only: its depth controller is off (`ar`
+    never drafts; measuring its cost table would only delay the start). Loaded as the service loads, every torch
+    allocation and forward before serving in a thread that ends. -> (scheduler, model, tokenizer)."""
     from evospec.engine.generate import SpeculativeDecoder
-    from evospec.engine.runner import SchedulerThread
     from evospec.engine.scheduler import Scheduler
     from evospec.loading import apply_torch_threads, in_passing_thread, load_model, stop_token_ids
     from evospec.tokenizer import load_tokenizer
-    progress("in process: loading the target", started)
     apply_torch_threads(cfg.target.model.torch_threads)
-    load_start = time.perf_counter()
-    def load():  # as the service loads: every torch allocation and forward before serving in a thread that ends
+
+    def load():
         model, folder = load_model(cfg.target.model, "target")
         decoder = SpeculativeDecoder(model, None, max_model_len=cfg.target.max_model_len,
                                      eos_ids=stop_token_ids(folder))
         return Scheduler(decoder, cfg.target.scheduler.model_copy(update={"adaptive": False})), model, folder
     scheduler, model, folder = in_passing_thread(load)
-    tokenizer = load_tokenizer(str(folder))
+    return scheduler, model, load_tokenizer(str(folder))
+
+
+def run_in_process_ar(cfg, prompt_sets, args, started: float, report: dict) -> None:
+    """The same c=1 requests, plain decoding, through the engine the service runs (in_process_ar_scheduler) in this
+    process, with no service up: what Ray Serve, gRPC and the service's request handling cost."""
+    import torch
+
+    from evospec.config import SamplingParams
+    from evospec.engine.runner import SchedulerThread
+    progress("in process: loading the target", started)
+    load_start = time.perf_counter()
+    scheduler, model, tokenizer = in_process_ar_scheduler(cfg)
     runner = SchedulerThread(scheduler).start()
     report["services"]["in_process"] = {"load_s": round(time.perf_counter() - load_start, 2),
                                         "torch_threads": torch.get_num_threads(),

@@ -1,29 +1,22 @@
 # A probe, not a bench command: run from the repository root with PYTHONPATH=. (imports bench.service and loadtest).
 """ar through the service and ar in this process (the same Scheduler over the same target), taking turns per prompt."""
-import asyncio, statistics, sys, time
+import asyncio
+import statistics
+import sys
+
 import openai
-import torch
+
+from bench.service import in_process_ar_scheduler, start_service, timed_ar
 from evospec.config import SamplingParams
 from evospec.datasets import REALISTIC_PROMPT_SETS
+from evospec.engine.runner import SchedulerThread
 from evospec.orchestration.config import AppConfig
 from evospec.orchestration.local import local_ray
 from loadtest.datasets import build_requests
 from loadtest.run import one_openai_request
-from bench.service import start_service, timed_ar
-from evospec.engine.generate import SpeculativeDecoder
-from evospec.engine.runner import SchedulerThread
-from evospec.engine.scheduler import Scheduler
-from evospec.loading import apply_torch_threads, in_passing_thread, load_model, stop_token_ids
-from evospec.tokenizer import load_tokenizer
 
 cfg = AppConfig.from_yaml("orchestration/configs/cpu-qwen2.5-coder.yaml")
-apply_torch_threads(cfg.target.model.torch_threads)
-def load():
-    model, folder = load_model(cfg.target.model, "target")
-    decoder = SpeculativeDecoder(model, None, max_model_len=cfg.target.max_model_len, eos_ids=stop_token_ids(folder))
-    return Scheduler(decoder, cfg.target.scheduler.model_copy(update={"adaptive": False})), folder
-scheduler, folder = in_passing_thread(load)
-tokenizer = load_tokenizer(str(folder))
+scheduler, _, tokenizer = in_process_ar_scheduler(cfg)
 runner = SchedulerThread(scheduler).start()
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 sets = {name: build_requests(REALISTIC_PROMPT_SETS[name](n, 0)[:n], 64, None, 0) for name in ("medical-rag", "code")}

@@ -1,23 +1,16 @@
 # A probe: the in-process engine (3 code prompts, ar, 64 tokens) with no Ray, with a Ray cluster, with the service up and idle; PYTHONPATH=. from the repository root.
-import statistics, time, torch
+import statistics
+import time
+
+from bench.service import in_process_ar_scheduler, start_service, timed_ar
 from evospec.config import SamplingParams
 from evospec.datasets import REALISTIC_PROMPT_SETS
+from evospec.engine.runner import SchedulerThread
 from evospec.orchestration.config import AppConfig
 from evospec.orchestration.local import local_ray
-from bench.service import timed_ar, start_service
-from evospec.engine.generate import SpeculativeDecoder
-from evospec.engine.runner import SchedulerThread
-from evospec.engine.scheduler import Scheduler
-from evospec.loading import apply_torch_threads, in_passing_thread, load_model, stop_token_ids
-from evospec.tokenizer import load_tokenizer
+
 cfg = AppConfig.from_yaml("orchestration/configs/cpu-qwen2.5-coder.yaml")
-apply_torch_threads(cfg.target.model.torch_threads)
-def load():
-    model, folder = load_model(cfg.target.model, "target")
-    decoder = SpeculativeDecoder(model, None, max_model_len=cfg.target.max_model_len, eos_ids=stop_token_ids(folder))
-    return Scheduler(decoder, cfg.target.scheduler.model_copy(update={"adaptive": False})), folder
-scheduler, folder = in_passing_thread(load)
-tokenizer = load_tokenizer(str(folder))
+scheduler, _, tokenizer = in_process_ar_scheduler(cfg)
 runner = SchedulerThread(scheduler).start()
 convs = REALISTIC_PROMPT_SETS["code"](3, 0)[:3]
 def phase(label):
