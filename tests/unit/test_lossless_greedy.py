@@ -108,6 +108,30 @@ def test_int8_draft_is_lossless(method):
     assert out.output_ids == ref.output_ids and out.stats.accepted > 0
 
 
+@pytest.mark.parametrize("method", ["frspec", "evospec"])
+def test_gguf_draft_with_a_quantized_static_head_is_lossless(method):
+    """A draft in format gguf (its 32-wide maps in Q5_0, its head in Q8_0) whose static vocabulary reads the quantized
+    head's rows proposes different trees, never different output."""
+    import copy
+
+    from evospec.kernels import kquant
+    from evospec.model.weight_formats import apply_weight_format
+    if not kquant.available():
+        pytest.skip("the k-quant kernel needs AVX2 and gcc")
+    target, draft = random_pair(vocab=96, seed=3, eos=1)
+    gguf_draft = apply_weight_format(copy.deepcopy(draft), "gguf", None, verifies=False)
+    assert gguf_draft.layers[0].mlp.up_proj.kinds == ["q5_0"] and gguf_draft.head.kinds == ["q8_0"]
+    decoder = SpeculativeDecoder(target, gguf_draft, static_ids=torch.arange(96).flip(0))
+    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
+    spec = SpecParams(method=method, tree=TreeParams(shape="tree", depth=3, branching=2, budget=6),
+                      vocab={"static_size": 48, "dynamic_size": 8})
+    ref = run(decoder, [4, 9, 16], sampling, SpecParams(method="ar"))
+    out = run(decoder, [4, 9, 16], sampling, spec)
+    assert out.output_ids == ref.output_ids and out.stats.accepted > 0
+    static_rows = decoder.policies.get(spec).new_session([4, 9, 16]).active.static_rows
+    assert isinstance(static_rows, kquant.KQuantLinear)  # the quantized head's rows, not dense ones
+
+
 def test_int8_needs_float32_on_cpu():
     from evospec.config import ModelConfig
     with pytest.raises(ValueError, match="float32"):
