@@ -17,6 +17,7 @@
  * row bitwise the logits a 1-row decode gives it.
  */
 #include <immintrin.h>
+#include <omp.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -398,12 +399,12 @@ ALWAYS_INLINE void tile(const int kind, const Part *W, int64_t K, const Activati
     }
 }
 
-/* One part times the activations into out[:, part->column:], threads splitting its blocks of columns; one function
- * per kind, so each compiles its own kind's column code (an OpenMP region is outlined before inlining). */
+/* One part times the activations into out[:, part->column:]: an orphaned `omp for`, so the team of the caller's
+ * parallel region splits the part's blocks of columns (statically: which thread computes a column never changes
+ * what it computes). One function per kind, so each compiles its own kind's column code. */
 #define MATMUL(name, KIND)                                                                                        \
-    static void name(const Part *part, int64_t K, const Activations *A, int64_t M, float *out, int64_t ldo,      \
-                     int threads) {                                                                               \
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")                                          \
+    static void name(const Part *part, int64_t K, const Activations *A, int64_t M, float *out, int64_t ldo) {    \
+        _Pragma("omp for schedule(static)")                                                                        \
         for (int64_t block = 0; block < (part->rows + TILE_N - 1) / TILE_N; block++)                              \
             tile(KIND, part, K, A, M, out + part->column, ldo, block);                                             \
     }
@@ -413,8 +414,9 @@ MATMUL(matmul_q5_0, KIND_Q5_0)
 MATMUL(matmul_q8_0, KIND_Q8_0)
 
 /* --- one call per map ------------------------------------------------------------------------------------------
- * One call quantizes the activations once for the kinds present and runs every part, so a decode step's ~200 maps
- * cost one ctypes call each. `scratch` holds the activations: scratch_bytes(M, K) bytes. */
+ * A map's activations are quantized once for the kinds present and every part runs on them, so a decode step's
+ * ~200 maps cost one ctypes call each (linear_forward), or none (layer_forward). `scratch` holds the activations:
+ * scratch_bytes(M, K) bytes. */
 
 /* The activations' regions in `scratch`, each starting on 64 bytes: Q8_K a, da (per 256), bsum16, bsum32; Q8_0 a,
  * da (per 32). */
@@ -432,8 +434,10 @@ int64_t scratch_bytes(int64_t M, int64_t K) {
     return offsets[6];
 }
 
-void linear_forward(const float *x, int64_t M, int64_t K, const Part *parts, int64_t nparts, float *out, int64_t ldo,
-                    int threads, uint8_t *scratch) {
+/* x [M, K] times every part into out (row stride ldo), called by every thread of a parallel region (or outside one,
+ * by one thread): one thread quantizes the activations, then the team splits each part's columns. */
+static void linear_team(const float *x, int64_t M, int64_t K, const Part *parts, int64_t nparts, float *out,
+                        int64_t ldo, uint8_t *scratch) {
     int super_blocks = 0, blocks32 = 0;
     for (int64_t p = 0; p < nparts; p++) {
         if (parts[p].kind == KIND_Q4K || parts[p].kind == KIND_Q6K) super_blocks = 1;
@@ -444,17 +448,192 @@ void linear_forward(const float *x, int64_t M, int64_t K, const Part *parts, int
     int8_t *a = (int8_t *)(scratch + at[0]), *a0 = (int8_t *)(scratch + at[4]);
     float *da = (float *)(scratch + at[1]), *da0 = (float *)(scratch + at[5]);
     int16_t *bsum16 = (int16_t *)(scratch + at[2]), *bsum32 = (int16_t *)(scratch + at[3]);
-    if (super_blocks) quantize_rows_q8k(x, M, K, a, da, bsum16, bsum32);
-    if (blocks32) quantize_rows_q8_0(x, M, K, a0, da0);
+#pragma omp single
+    {
+        if (super_blocks) quantize_rows_q8k(x, M, K, a, da, bsum16, bsum32);
+        if (blocks32) quantize_rows_q8_0(x, M, K, a0, da0);
+    }
     /* Q4_K takes the activations' sums per 32 inputs, Q6_K per 16, the 32-blocks none */
     const Activations q4k = {a, da, bsum32}, q6k = {a, da, bsum16}, q8_0 = {a0, da0, NULL};
     for (int64_t p = 0; p < nparts; p++) {
         const Part *part = &parts[p];
         switch (part->kind) {
-            case KIND_Q4K: matmul_q4k(part, K, &q4k, M, out, ldo, threads); break;
-            case KIND_Q6K: matmul_q6k(part, K, &q6k, M, out, ldo, threads); break;
-            case KIND_Q5_0: matmul_q5_0(part, K, &q8_0, M, out, ldo, threads); break;
-            default: matmul_q8_0(part, K, &q8_0, M, out, ldo, threads);
+            case KIND_Q4K: matmul_q4k(part, K, &q4k, M, out, ldo); break;
+            case KIND_Q6K: matmul_q6k(part, K, &q6k, M, out, ldo); break;
+            case KIND_Q5_0: matmul_q5_0(part, K, &q8_0, M, out, ldo); break;
+            default: matmul_q8_0(part, K, &q8_0, M, out, ldo);
         }
+    }
+}
+
+void linear_forward(const float *x, int64_t M, int64_t K, const Part *parts, int64_t nparts, float *out, int64_t ldo,
+                    int threads, uint8_t *scratch) {
+#pragma omp parallel num_threads(threads)
+    linear_team(x, M, K, parts, nparts, out, ldo, scratch);
+}
+
+/* --- one decoder layer per call ----------------------------------------------------------------------------------
+ * A Qwen2/Qwen3 decoder layer for rows that each attend their own slots (a decode, a verify, a tree: kernels/
+ * fused_step.py), everything between its maps included: RMSNorm, q/k norm, RoPE, the K/V writes, one query's
+ * attention per row and head, SiLU, the residual adds. One parallel region per layer; each row's values come from
+ * the same operations in the same order whatever the number of rows, as in the maps (row invariance), and threads
+ * split rows, heads or columns only. Torch's eager step did the same in ~60 small operations per layer (~8 ms per
+ * token over 28 layers on a 2-core Zen 3). */
+
+typedef struct {          /* one layer's weights; q_norm / k_norm NULL where the model has none (Qwen2) */
+    const Part *qkv, *o, *gate_up, *down;  /* q, k, v (in that order) and gate, up: one table each */
+    int64_t n_qkv, n_o, n_gate_up, n_down;
+    const float *input_norm, *post_norm, *q_norm, *k_norm;
+} Layer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate;
+    float eps;
+} Dims;
+
+typedef struct {          /* one row's cache and the slots it attends */
+    float *keys, *values; /* its cache's layer 0, kv head 0, slot 0 */
+    int64_t layer_stride, head_stride;  /* floats between layers and between kv heads; slots are head_dim apart */
+    int64_t write_slot, count;          /* where its k/v go; how many slots it attends */
+    const int64_t *slots;               /* NULL: slots 0 .. count - 1; else `count` slot ids, increasing */
+} RowAttention;
+
+/* exp(x) for 8 floats (Cephes' polynomial, as in avx_mathfun): relative error ~1e-7 over the range used here. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    const __m256 z = _mm256_mul_ps(x, x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.0f));
+    const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {  /* n a multiple of 8 */
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    return hsum8(acc);
+}
+
+/* out = weight * (x / sqrt(mean(x^2) + eps)) over n floats (n a multiple of 8); out may be x. */
+static inline void rms_norm(const float *x, const float *weight, int64_t n, float eps, float *out) {
+    const float scale = 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = weight[i] * (x[i] * scale);
+}
+
+/* One head's vector v [hd] rotated in place ("rotate half": pairs i, i + hd/2), cos/sin [hd] of its position. */
+static inline void rope(float *v, const float *cos, const float *sin, int64_t hd) {
+    const int64_t half = hd / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * cos[i] - b * sin[i];
+        v[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+/* One query head q [hd] over the slots a row attends of one kv head (keys/values at slot * hd): softmax(q k / sqrt
+ * hd) v into out [hd]; scores: `count` floats of room (+ 8). */
+static void attend(const float *q, const float *keys, const float *values, const RowAttention *row, int64_t hd,
+                   float *scores, float *out) {
+    const int64_t count = row->count;
+    const float scale = 1.0f / sqrtf((float)hd);
+    float top = -INFINITY;
+    for (int64_t j = 0; j < count; j++) {
+        const int64_t slot = row->slots ? row->slots[j] : j;
+        scores[j] = dot(q, keys + slot * hd, hd) * scale;
+        top = scores[j] > top ? scores[j] : top;
+    }
+    for (int64_t j = count; j < ((count + 7) & ~7LL); j++) scores[j] = -INFINITY;
+    __m256 total8 = _mm256_setzero_ps();
+    for (int64_t j = 0; j < count; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), _mm256_set1_ps(top)));
+        _mm256_storeu_ps(scores + j, e);
+        total8 = _mm256_add_ps(total8, e);
+    }
+    const float inverse = 1.0f / hsum8(total8);
+    for (int64_t i = 0; i < hd; i += 8) _mm256_storeu_ps(out + i, _mm256_setzero_ps());
+    for (int64_t j = 0; j < count; j++) {
+        const int64_t slot = row->slots ? row->slots[j] : j;
+        const __m256 p = _mm256_set1_ps(scores[j] * inverse);
+        for (int64_t i = 0; i < hd; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(values + slot * hd + i),
+                                                      _mm256_loadu_ps(out + i)));
+    }
+}
+
+/* Floats of `work` layer_forward needs for M rows. */
+int64_t layer_work_floats(int64_t M, const Dims *D) {
+    const int64_t qkv = (D->heads + 2 * D->kv_heads) * D->head_dim;
+    return M * (2 * D->hidden + qkv + D->heads * D->head_dim + 3 * D->intermediate) + 64;
+}
+
+/* Layer `layer` over x [M, hidden] (the residual stream, updated in place). cos/sin [M, head_dim]: each row's
+ * rotary angles. rows[M]: each row's cache and slots (its own slot included: its k/v are written first). work:
+ * layer_work_floats(M, D) floats; scratch: scratch_bytes(M, the widest map input) bytes; scores: threads x
+ * (max_count + 8) floats. */
+void layer_forward(float *x, int64_t M, int64_t layer, const Layer *L, const Dims *D, const float *cos,
+                   const float *sin, const RowAttention *rows, int threads, float *work, uint8_t *scratch,
+                   float *scores, int64_t max_count) {
+    const int64_t H = D->hidden, hd = D->head_dim, nh = D->heads, nkv = D->kv_heads, I = D->intermediate;
+    const int64_t qkv_width = (nh + 2 * nkv) * hd, group = nh / nkv;
+    float *normed = work, *qkv = normed + M * H, *attn = qkv + M * qkv_width, *gate_up = attn + M * nh * hd,
+          *act = gate_up + M * 2 * I, *delta = act + M * I;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) rms_norm(x + m * H, L->input_norm, H, D->eps, normed + m * H);
+        linear_team(normed, M, H, L->qkv, L->n_qkv, qkv, qkv_width, scratch);
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            float *q = qkv + m * qkv_width, *k = q + nh * hd, *v = k + nkv * hd;
+            const RowAttention *row = &rows[m];
+            for (int64_t h = 0; h < nh; h++) {
+                if (L->q_norm) rms_norm(q + h * hd, L->q_norm, hd, D->eps, q + h * hd);
+                rope(q + h * hd, cos + m * hd, sin + m * hd, hd);
+            }
+            for (int64_t h = 0; h < nkv; h++) {
+                if (L->k_norm) rms_norm(k + h * hd, L->k_norm, hd, D->eps, k + h * hd);
+                rope(k + h * hd, cos + m * hd, sin + m * hd, hd);
+                const int64_t at = layer * row->layer_stride + h * row->head_stride + row->write_slot * hd;
+                memcpy(row->keys + at, k + h * hd, hd * sizeof(float));
+                memcpy(row->values + at, v + h * hd, hd * sizeof(float));
+            }
+        }
+        float *own_scores = scores + (int64_t)omp_get_thread_num() * (max_count + 8);
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t h = 0; h < nh; h++) {
+                const RowAttention *row = &rows[m];
+                const int64_t base = layer * row->layer_stride + (h / group) * row->head_stride;
+                attend(qkv + m * qkv_width + h * hd, row->keys + base, row->values + base, row, hd, own_scores,
+                       attn + m * nh * hd + h * hd);
+            }
+        linear_team(attn, M, nh * hd, L->o, L->n_o, delta, H, scratch);
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            for (int64_t i = 0; i < H; i++) x[m * H + i] += delta[m * H + i];
+            rms_norm(x + m * H, L->post_norm, H, D->eps, normed + m * H);
+        }
+        linear_team(normed, M, H, L->gate_up, L->n_gate_up, gate_up, 2 * I, scratch);
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t i = 0; i < I; i += 8) {
+                const __m256 g = _mm256_loadu_ps(gate_up + m * 2 * I + i);
+                const __m256 u = _mm256_loadu_ps(gate_up + m * 2 * I + I + i);
+                const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f),
+                                                                   exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+                _mm256_storeu_ps(act + m * I + i, _mm256_mul_ps(silu, u));
+            }
+        linear_team(act, M, I, L->down, L->n_down, delta, H, scratch);
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t i = 0; i < H; i++) x[m * H + i] += delta[m * H + i];
     }
 }

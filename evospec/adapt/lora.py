@@ -102,4 +102,6 @@ def install_lora(model: nn.Module, modules: tuple[str, ...], layers: int = 0
                     setattr(parent, child_name, wrapped[name])
     if not wrapped:
         raise ValueError(f"no decoder projection named {modules} to adapt")
+    if getattr(model, "fused_step", None) is not None:
+        model.fused_step = None  # the native step reads the maps' own weights; the adapters run in torch's layers
     return bank, wrapped

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from evospec.kernels.fused_step import FusedStep
 from evospec.kernels.kv import compact_kv
 from evospec.kernels.linear import project
 from evospec.kernels.pruned_head import head_product
@@ -311,6 +312,9 @@ class Qwen3(nn.Module):
         # Decode and verify segments attend row by row (attend_row_by_row), so a verify's logits are bitwise the
         # decodes' when every linear map is row-invariant too (model/weight_formats.py sets it for such formats).
         self.row_invariant_attention = False
+        # One native call per layer for short segments in format gguf (kernels/fused_step.py; set at load by
+        # model/weight_formats.py, dropped when LoRA wraps the maps), else None: torch's layers.
+        self.fused_step: FusedStep | None = None
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -351,16 +355,20 @@ class Qwen3(nn.Module):
 
     def _packed(self, segments: list[Segment]) -> torch.Tensor:
         device = self.embed_tokens.weight.device
+        short = all(seg.num_tokens <= ROW_INVARIANT_MAX_ROWS for seg in segments)
+        native = self.fused_step is not None and short
         for seg in segments:
             if seg.write_start + seg.num_tokens > seg.cache.max_len:
                 raise ValueError(f"KV cache overflow: {seg.write_start + seg.num_tokens} > {seg.cache.max_len} slots")
             seg.mask = seg.mask.to(device)
-            if self.row_invariant_attention and seg.num_tokens <= ROW_INVARIANT_MAX_ROWS:
+            if native or (self.row_invariant_attention and seg.num_tokens <= ROW_INVARIANT_MAX_ROWS):
                 seg.row_slots = visible_slots(seg.mask)
         input_ids = torch.cat([seg.input_ids for seg in segments]).to(device)
         positions = torch.cat([seg.positions for seg in segments]).to(device)
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        if native:
+            return self.norm(self.fused_step.run(x, cos, sin, segments))
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, segments)
         return self.norm(x)

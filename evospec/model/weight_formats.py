@@ -42,9 +42,20 @@ import torch
 from torch import nn
 
 from evospec.kernels import kquant
+from evospec.kernels.fused_step import FusedStep
 from evospec.kernels.kquant import (
-    KQuantLinear, KQuantUnavailable, KQuantWeight, concatenated, q4k_from_dense, q4k_from_gguf, q5_0_from_dense,
-    q5_0_from_gguf, q6k_from_dense, q6k_from_gguf, q8_0_from_dense, q8_0_from_gguf,
+    KQuantLinear,
+    KQuantUnavailable,
+    KQuantWeight,
+    concatenated,
+    q4k_from_dense,
+    q4k_from_gguf,
+    q5_0_from_dense,
+    q5_0_from_gguf,
+    q6k_from_dense,
+    q6k_from_gguf,
+    q8_0_from_dense,
+    q8_0_from_gguf,
 )
 from evospec.kernels.linear import linear
 from evospec.kernels.quantized import Int8PerTokenLinear, Int8WeightLinear, quantized_linear
@@ -391,6 +402,7 @@ def apply_weight_format(model: Qwen3, fmt: str, folder: Path | None, embedded: b
         gguf = source_gguf(folder) if folder is not None else None
         model = quantize_gguf(model, gguf_blocks(gguf) if gguf is not None else {}, fuse=verifies)
         model.row_invariant_attention = verifies
+        model.fused_step = FusedStep.for_model(model)
         return model
     if fmt in ROW_INVARIANT:
         model = quantize_weights(model, fmt, higher_precision_modules(folder) if fmt == "int4-weight-only" else set(),
