@@ -169,7 +169,9 @@ def load_qwen3_folder(folder: Path, dtype: str = "auto", device: str = "auto", q
     """Load a model folder in `dtype`, put it in weight format `quantize` (model/weight_formats.py; `auto` measured
     here) and calibrate single-token padding for the format it runs in."""
     dev = resolve_device(device)
-    model = load_qwen3(folder, dev, resolve_dtype("float32" if quantize == "int8" else dtype, dev))
+    # int8 (fbgemm) runs float32 models only; gguf's kernels and native step compute in float32 (kernels/fused_step.py)
+    float32 = quantize == "int8" or (quantize == "gguf" and dtype == "auto")
+    model = load_qwen3(folder, dev, resolve_dtype("float32" if float32 else dtype, dev))
     model = apply_weight_format(model, quantize, folder, embedded=embedded, verifies=verifies)
     calibrate_single_token_padding(model)
     return model

@@ -44,18 +44,8 @@ from torch import nn
 from evospec.kernels import kquant
 from evospec.kernels.fused_step import FusedStep
 from evospec.kernels.kquant import (
-    KQuantLinear,
-    KQuantUnavailable,
-    KQuantWeight,
-    concatenated,
-    q4k_from_dense,
-    q4k_from_gguf,
-    q5_0_from_dense,
-    q5_0_from_gguf,
-    q6k_from_dense,
-    q6k_from_gguf,
-    q8_0_from_dense,
-    q8_0_from_gguf,
+    KQuantLinear, KQuantUnavailable, KQuantWeight, concatenated, q4k_from_dense, q4k_from_gguf, q5_0_from_dense,
+    q5_0_from_gguf, q6k_from_dense, q6k_from_gguf, q8_0_from_dense, q8_0_from_gguf,
 )
 from evospec.kernels.linear import linear
 from evospec.kernels.quantized import Int8PerTokenLinear, Int8WeightLinear, quantized_linear
