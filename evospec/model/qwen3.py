@@ -355,12 +355,29 @@ class Qwen3(nn.Module):
 
     def _packed(self, segments: list[Segment]) -> torch.Tensor:
         device = self.embed_tokens.weight.device
-        short = all(seg.num_tokens <= ROW_INVARIANT_MAX_ROWS for seg in segments)
-        native = self.fused_step is not None and short
         for seg in segments:
             if seg.write_start + seg.num_tokens > seg.cache.max_len:
                 raise ValueError(f"KV cache overflow: {seg.write_start + seg.num_tokens} > {seg.cache.max_len} slots")
             seg.mask = seg.mask.to(device)
+        short = [seg.num_tokens <= ROW_INVARIANT_MAX_ROWS for seg in segments]
+        if self.fused_step is None or all(short) or not any(short):
+            return self._run_layers(segments, native=self.fused_step is not None and all(short))
+        # Short segments (decodes, verifies) beside a long one (a prefill chunk): the short ones run the native step,
+        # the long ones torch's layers, as two forwards, so every row gets what it would get alone (a decode's
+        # numerics must not depend on what it is packed with; the weights are read twice, ~1% of such a step).
+        hidden = {"short": self._run_layers([s for s, ok in zip(segments, short) if ok], native=True),
+                  "long": self._run_layers([s for s, ok in zip(segments, short) if not ok], native=False)}
+        offsets, parts = {"short": 0, "long": 0}, []
+        for seg, ok in zip(segments, short):
+            group = "short" if ok else "long"
+            parts.append(hidden[group][offsets[group]:offsets[group] + seg.num_tokens])
+            offsets[group] += seg.num_tokens
+        return torch.cat(parts)
+
+    def _run_layers(self, segments: list[Segment], native: bool) -> torch.Tensor:
+        """The segments' final-norm hidden states [T, hidden], through the native step or torch's layers."""
+        device = self.embed_tokens.weight.device
+        for seg in segments:
             if native or (self.row_invariant_attention and seg.num_tokens <= ROW_INVARIANT_MAX_ROWS):
                 seg.row_slots = visible_slots(seg.mask)
         input_ids = torch.cat([seg.input_ids for seg in segments]).to(device)

@@ -78,6 +78,24 @@ def test_tree_rows_and_packed_rows_are_bitwise_their_decodes():
         assert torch.equal(hidden[0], packed[node]), node
 
 
+def test_a_decode_packed_beside_a_long_prefill_is_bitwise_its_decode_alone():
+    """A forward mixing a decode (native step) and a prefill chunk longer than ROW_INVARIANT_MAX_ROWS (torch's
+    layers) runs them as two forwards: the decode's row is bitwise what it is alone, the chunk's rows what they are
+    alone."""
+    model = _gguf(_config(True))
+    gen = torch.Generator().manual_seed(5)
+    n = ROW_INVARIANT_MAX_ROWS + 3
+    long_ids, prompt = torch.randint(0, 512, (n,), generator=gen), torch.randint(0, 512, (41,), generator=gen)
+    cache = model.new_cache(48)
+    model(prompt[:-1], torch.arange(40), cache, chain_then_tree_mask(0, 40, None))
+    cache.advance(40)
+    alone_chunk = model.forward_packed([Segment.chain(model.new_cache(n), long_ids.tolist())])
+    alone_decode = model.forward_packed([Segment.chain(cache, [int(prompt[-1])])])
+    packed = model.forward_packed([Segment.chain(cache, [int(prompt[-1])]),
+                                   Segment.chain(model.new_cache(n), long_ids.tolist())])
+    assert torch.equal(packed[0], alone_decode[0]) and torch.equal(packed[1:], alone_chunk)
+
+
 def test_where_the_native_step_does_not_run(monkeypatch):
     """Not for a segment longer than ROW_INVARIANT_MAX_ROWS (a prefill chunk: torch's SDPA), not in bf16, not after
     LoRA wraps the maps (the adapters run in torch)."""
