@@ -172,7 +172,8 @@ def load_qwen3_folder(folder: Path, dtype: str = "auto", device: str = "auto", q
     # int8 (fbgemm) runs float32 models only; gguf's kernels and native step compute in float32 (kernels/fused_step.py)
     float32 = quantize == "int8" or (quantize == "gguf" and dtype == "auto")
     model = load_qwen3(folder, dev, resolve_dtype("float32" if float32 else dtype, dev))
-    model = apply_weight_format(model, quantize, folder, embedded=embedded, verifies=verifies)
+    model = apply_weight_format(model, quantize, folder, embedded=embedded, verifies=verifies,
+                                dtype_auto=dtype == "auto")
     calibrate_single_token_padding(model)
     return model
 

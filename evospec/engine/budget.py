@@ -322,10 +322,19 @@ class SpeculationBudget:
             return False
         return drafted.rate < (1 - GoodputMeter.noise_margin) * plain.rate
 
+    def learning(self, kind: tuple) -> bool:
+        """Whether the kind has fewer than `learn_trees` verified trees: its acceptance is not measured yet."""
+        trees = self.acceptance.get(kind, Acceptance()).reached[:1]
+        return not trees or trees[0] < self.learn_trees
+
     def priors(self, kind: tuple, depth: int) -> list[float]:
-        """Per-level acceptance of a request that has not drafted that deep yet: its kind's, so far."""
+        """Per-level acceptance of a request that has not drafted that deep yet: its kind's, so far, shrunk towards
+        `optimistic_acceptance` while the kind is learning (the assumption its catch-ups were bought on: a draft
+        that caught up on that promise must then draft, or its acceptance is never measured and every request pays
+        a catch-up that is never used), else towards `prior_alpha`."""
         acceptance = self.acceptance.get(kind, Acceptance())
-        return [acceptance.rate(j, self.prior_alpha, prior_weight=16.0) for j in range(depth)]
+        prior = self.optimistic_acceptance if self.learning(kind) else self.prior_alpha
+        return [acceptance.rate(j, prior, prior_weight=16.0) for j in range(depth)]
 
     def choose(self, requests: list[tuple[TreeParams, Acceptance, tuple]], prefill_tokens: int) -> int:
         """The draft depth k (0 = no draft this step) with the best expected goodput for these requests
@@ -426,8 +435,7 @@ class SpeculationBudget:
         first one measures it). While the kind has fewer than `learn_trees` verified trees, its acceptance is taken
         to be `optimistic_acceptance` (a pessimistic start would never draft, so never learn it); a batch in which
         even that would not pay, such as a busy CPU, still defers."""
-        trees = self.acceptance.get(kind, Acceptance()).reached[:1]
-        learning = not trees or trees[0] < self.learn_trees
+        learning = self.learning(kind)
         saved = remaining_tokens * saved_per_token(self.optimistic_acceptance if learning else None)
         if self._draft_prefill.steps == 0:
             return CatchUp(True, saved, 0.0, "the draft's prefill rate is not measured yet")

@@ -364,11 +364,13 @@ def choose_format(cfg: Qwen3Config, dtype: torch.dtype, four_bit_source: bool,
 
 
 def apply_weight_format(model: Qwen3, fmt: str, folder: Path | None, embedded: bool = False,
-                        verifies: bool = True) -> Qwen3:
+                        verifies: bool = True, dtype_auto: bool = False) -> Qwen3:
     """Load-time step: put `model` (dense, loaded in its dtype) into format `fmt` ("auto" resolved here).
     verifies: the model is a target, whose verify forwards must round as its decodes do: in a row-invariant format
     its decode and verify segments also attend row by row (Qwen3.row_invariant_attention). A draft's forwards are
-    proposals, so it keeps the faster many-row attention."""
+    proposals, so it keeps the faster many-row attention. dtype_auto: the dtype was `auto`, so a model that ends in
+    gguf runs in float32 (its kernels compute in float32, and the native step runs only there: a bf16-native CPU
+    gains nothing from bf16 activations around GGUF blocks)."""
     device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
     measured: dict[str, float] = {}
     if fmt == "auto":
@@ -389,6 +391,8 @@ def apply_weight_format(model: Qwen3, fmt: str, folder: Path | None, embedded: b
     if fmt == "int8-per-token":
         smooth_for_per_token(model, folder, keep=not embedded)
     if fmt == "gguf":
+        if dtype_auto and dtype != torch.float32:
+            model = model.float()
         gguf = source_gguf(folder) if folder is not None else None
         model = quantize_gguf(model, gguf_blocks(gguf) if gguf is not None else {}, fuse=verifies)
         model.row_invariant_attention = verifies

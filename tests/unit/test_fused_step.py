@@ -112,3 +112,14 @@ def test_where_the_native_step_does_not_run(monkeypatch):
     assert draft.fused_step is not None
     install_lora(draft, ("q_proj", "down_proj"))
     assert draft.fused_step is None
+
+
+def test_gguf_under_dtype_auto_runs_in_float32_with_the_native_step():
+    """A model loaded in bf16 under `dtype: auto` (a bf16-native CPU) that ends in gguf is put in float32, where the
+    native step runs; an explicit bf16 keeps bf16 and torch's layers."""
+    from evospec.model.weight_formats import apply_weight_format
+    auto = apply_weight_format(random_qwen3(_config(True), seed=6, dtype=torch.bfloat16), "gguf", None,
+                               dtype_auto=True)
+    assert auto.embed_tokens.weight.dtype == torch.float32 and auto.fused_step is not None
+    explicit = apply_weight_format(random_qwen3(_config(True), seed=6, dtype=torch.bfloat16), "gguf", None)
+    assert explicit.embed_tokens.weight.dtype == torch.bfloat16 and explicit.fused_step is None

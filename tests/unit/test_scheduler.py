@@ -386,6 +386,23 @@ def test_a_catch_up_runs_only_where_it_pays(decoder):
     assert sink.tokens == oracle(decoder, list(range(2, 30)), sampling, SpecParams(method="ar")).output_ids
 
 
+def test_a_learning_kind_drafts_on_the_acceptance_its_catch_ups_assume():
+    """Until a kind has `learn_trees` verified trees, the depth choice assumes the optimistic acceptance its
+    catch-ups were bought on (else a draft caught up on that promise would never draft, never learn, and every
+    request would pay a catch-up nobody uses); once measured, the kind's real acceptance decides."""
+    from evospec.engine.budget import Acceptance, draft_features
+    target_cost, draft_prior = TokenCostTable(), OnlineCost(4)
+    for tokens in range(1, 9):  # each verify row costs 40% of a decode: depth 1 pays at 0.9, not at 0.6
+        target_cost.calibrate(tokens, 0.010 + 0.004 * (tokens - 1))
+    draft_prior.calibrate(draft_features(1, 1, 1), 0.003)
+    budget = SpeculationBudget(target_cost, draft_prior)
+    chain, kind = TreeParams(shape="chain", num_draft_tokens=1), ("evospec", 32768, 256)
+    assert budget.learning(kind) and budget.choose([(chain, Acceptance(), kind)], 0) == 1
+    for i in range(budget.learn_trees):
+        budget.record_acceptance(kind, 1, int(i % 5 < 3))  # 60% accepted
+    assert not budget.learning(kind) and budget.choose([(chain, Acceptance(), kind)], 0) == 0
+
+
 class SlowFailingCatchUp:
     """Wraps the in-process batch drafter; its first catch-up prefill waits `wait_s` and then fails every session,
     as a draft replica killed mid-step does (the target waits for its deadline first)."""
