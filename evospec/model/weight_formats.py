@@ -276,6 +276,7 @@ SOURCE_BITS_TIE = 1.05  # choose_format: gguf this close to the fastest is chose
 EVICT_BYTES = 96 << 20  # more than a server CPU's last-level cache: a decode step reads its weights from memory
 
 
+PRUNE_FACTOR = 2.0  # formats_seconds: a format this many times the fastest after one timed round is not timed again
 HEAD_SLICE = 16384  # LM head rows timed per format; the head's cost is that times vocab / HEAD_SLICE (linear in rows)
 
 
@@ -309,7 +310,9 @@ def formats_seconds(cfg: Qwen3Config, formats: list[str], dtype: torch.dtype, ro
     Each timing is the best of `repeats` calls, each after the caches were flushed by writing EVICT_BYTES elsewhere
     (one projection's weights would otherwise stay in the L3 between calls, which a whole model's never do), and
     the formats are timed in turn within each repeat, so a burst of other work on the CPU (the other replica
-    loading beside this one) slows every candidate alike instead of one."""
+    loading beside this one) slows every candidate alike instead of one. A format over PRUNE_FACTOR x the fastest
+    after the first round is not timed again (its figure is that round's): on an AVX2 CPU the weight-only formats
+    took 4-30x gguf's time, and their six more rounds were seconds of every start-up."""
     calls = []  # (format, run, x, weight): every timed call, and what its time counts for
     head_rows = min(HEAD_SLICE, cfg.vocab_size)
     layers = cfg.num_hidden_layers
@@ -326,12 +329,22 @@ def formats_seconds(cfg: Qwen3Config, formats: list[str], dtype: torch.dtype, ro
         run(x)  # the first call of a shape chooses and warms its kernel up
     best = [float("inf")] * len(calls)
     scratch = torch.empty(EVICT_BYTES, dtype=torch.uint8)
-    for _ in range(repeats):
-        for i, (_, run, x, _) in enumerate(calls):
+    timed = list(range(len(calls)))
+    for round_ in range(repeats):
+        for i in timed:
             scratch.fill_(1)
             start = time.perf_counter()
-            run(x)
+            calls[i][1](calls[i][2])
             best[i] = min(best[i], time.perf_counter() - start)
+        if round_ == 0:
+            fastest = min(_totals(calls, best, formats).values())
+            slow = {fmt for fmt, seconds in _totals(calls, best, formats).items() if seconds > PRUNE_FACTOR * fastest}
+            timed = [i for i in timed if calls[i][0] not in slow]
+    return _totals(calls, best, formats)
+
+
+def _totals(calls: list[tuple], best: list[float], formats: list[str]) -> dict[str, float]:
+    """formats_seconds' figure per format: each timed call's best time times what it counts for."""
     return {fmt: sum(weight * b for (f, _, _, weight), b in zip(calls, best) if f == fmt) for fmt in formats}
 
 

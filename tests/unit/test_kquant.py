@@ -306,6 +306,29 @@ def test_format_timing_counts_the_head_and_the_six_bit_downs(monkeypatch):
     assert ("gguf", *down, True) in built and ("int8-per-token", *down, True) not in built
 
 
+def test_auto_stops_timing_a_format_far_slower_than_the_fastest(monkeypatch):
+    """formats_seconds: after the first timed round, a format over PRUNE_FACTOR x the fastest is not timed again
+    (start-up time); the contenders run every round; every format still gets a figure."""
+    import time as clock
+
+    from evospec.model import weight_formats
+    from evospec.testing import tiny_config
+    calls = {"gguf": 0, "int8-weight-only": 0}
+
+    def stub(out_features, in_features, fmt, dtype, head=False):
+        def run(x):
+            calls[fmt] += 1
+            clock.sleep(0.0002 if fmt == "gguf" else 0.002)
+        return run
+    monkeypatch.setattr(weight_formats, "_projection_map", stub)
+    monkeypatch.setattr(weight_formats, "EVICT_BYTES", 1024)
+    cfg = tiny_config(vocab=4096, hidden=256, layers=2, eos=1)
+    seconds = weight_formats.formats_seconds(cfg, ["gguf", "int8-weight-only"], torch.float32, rows=(1,), repeats=5)
+    assert seconds["int8-weight-only"] > weight_formats.PRUNE_FACTOR * seconds["gguf"]
+    per_round = calls["gguf"] // 6  # maps of one format: warm-up + 5 rounds
+    assert calls["gguf"] == 6 * per_round and calls["int8-weight-only"] == 2 * per_round
+
+
 def test_a_failed_build_is_one_line(monkeypatch, tmp_path):
     """A compiler that fails (here `false`) or is missing gives KQuantUnavailable with one line, and nothing half
     written is left where the next process would load it."""
