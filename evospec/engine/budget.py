@@ -365,21 +365,16 @@ class SpeculationBudget:
             self._explore_interval = self.explore_every
         return best_k
 
-    def _expected_steps(self, requests: list[tuple[TreeParams, Acceptance, tuple]], prefill_tokens: int,
-                        assumed_acceptance: float | None = None) -> list[tuple[float, float]]:
-        """(committed tokens, seconds) expected of one step of these requests at each depth k = 0, 1, ...; with
-        `assumed_acceptance`, every level of every request is taken to pass at that rate."""
+    def _expected_steps(self, requests: list[tuple[TreeParams, Acceptance, tuple]],
+                        prefill_tokens: int) -> list[tuple[float, float]]:
+        """(committed tokens, seconds) expected of one step of these requests at each depth k = 0, 1, ..."""
         max_depth = max(p.levels for p, _, _ in requests)
         kinds: dict[tuple, list[int]] = {}  # kind -> [sessions, rows per level]
         for params, _, kind in requests:
             entry = kinds.setdefault(kind, [0, 0])
             entry[0] += 1
             entry[1] += params.width
-        if assumed_acceptance is not None:
-            requests = [(params, Acceptance(), kind) for params, _, kind in requests]
-            priors = {kind: [assumed_acceptance] * max_depth for kind in kinds}
-        else:
-            priors = {kind: self.priors(kind, max_depth) for kind in kinds}
+        priors = {kind: self.priors(kind, max_depth) for kind in kinds}
         steps = []
         for k in range(max_depth + 1):
             tokens, committed = prefill_tokens, 0.0
@@ -393,14 +388,12 @@ class SpeculationBudget:
             steps.append((committed, seconds))
         return steps
 
-    def seconds_saved_per_token(self, requests: list[tuple[TreeParams, Acceptance, tuple]],
-                                assumed_acceptance: float | None = None) -> float:
+    def seconds_saved_per_token(self, requests: list[tuple[TreeParams, Acceptance, tuple]]) -> float:
         """What each request's token costs less, in wall seconds, when these requests all draft at the best depth
-        than when they decode plainly (0 when drafting does not pay, or the safety net has measured it worse);
-        `assumed_acceptance`: at that per-level acceptance instead of the measured one."""
+        than when they decode plainly (0 when drafting does not pay, or the safety net has measured it worse)."""
         if not requests or self._measured_worse(frozenset(kind for _, _, kind in requests), len(requests)):
             return 0.0
-        (plain_tokens, plain_seconds), *drafting = self._expected_steps(requests, 0, assumed_acceptance)
+        (plain_tokens, plain_seconds), *drafting = self._expected_steps(requests, 0)
         best = min((seconds / committed for committed, seconds in drafting), default=plain_seconds / plain_tokens)
         return max(0.0, len(requests) * (plain_seconds / plain_tokens - best))
 
@@ -425,18 +418,19 @@ class SpeculationBudget:
         typical = statistics.median(self._answer_lengths)
         return max(1, min(allowed, round(max(typical - generated, typical / 2))))
 
-    def catch_up(self, saved_per_token: Callable[[float | None], float], kind: tuple, remaining_tokens: int,
+    def catch_up(self, saved_per_token: Callable[[], float], kind: tuple, remaining_tokens: int,
                  lag: int) -> CatchUp:
         """Whether a draft session of `kind` should prefill the `lag` context tokens it still lacks: it should when
         the seconds speculation is expected to save over the request's `remaining_tokens` exceed what the catch-up
-        costs at the draft's measured prefill rate. `saved_per_token(assumed_acceptance)` is
-        `seconds_saved_per_token` of the batch the request decodes in (its own among them), which the caller
-        computes once per step for all its catch-ups. Until the prefill rate is measured the catch-up runs (the
-        first one measures it). While the kind has fewer than `learn_trees` verified trees, its acceptance is taken
-        to be `optimistic_acceptance` (a pessimistic start would never draft, so never learn it); a batch in which
-        even that would not pay, such as a busy CPU, still defers."""
+        costs at the draft's measured prefill rate. `saved_per_token()` is `seconds_saved_per_token` of the batch
+        the request decodes in (its own among them), which the caller computes once per step for all its catch-ups.
+        Until the prefill rate is measured the catch-up runs (the first one measures it). The acceptance it rests on
+        is the depth choice's own (`priors`: while the kind is learning, shrunk towards `optimistic_acceptance`, as
+        a pessimistic start would never draft, so never learn), so a catch-up is bought only where the choice would
+        then draft: a kind whose first trees are mostly rejected stops buying catch-ups before its `learn_trees`
+        are reached, and a batch in which drafting would not pay, such as a busy CPU, defers."""
         learning = self.learning(kind)
-        saved = remaining_tokens * saved_per_token(self.optimistic_acceptance if learning else None)
+        saved = remaining_tokens * saved_per_token()
         if self._draft_prefill.steps == 0:
             return CatchUp(True, saved, 0.0, "the draft's prefill rate is not measured yet")
         cost = lag / max(self._draft_prefill.rate, 1e-9)

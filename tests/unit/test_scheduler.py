@@ -386,21 +386,33 @@ def test_a_catch_up_runs_only_where_it_pays(decoder):
     assert sink.tokens == oracle(decoder, list(range(2, 30)), sampling, SpecParams(method="ar")).output_ids
 
 
-def test_a_learning_kind_drafts_on_the_acceptance_its_catch_ups_assume():
-    """Until a kind has `learn_trees` verified trees, the depth choice assumes the optimistic acceptance its
-    catch-ups were bought on (else a draft caught up on that promise would never draft, never learn, and every
-    request would pay a catch-up nobody uses); once measured, the kind's real acceptance decides."""
+def test_catch_ups_and_depth_rest_on_one_acceptance_optimistic_while_learning():
+    """Until a kind has `learn_trees` verified trees, both the depth choice and the catch-up assume its acceptance
+    shrunk towards the optimistic one (else a draft caught up on that promise would never draft, never learn, and
+    every request would pay a catch-up nobody uses); the trees it has measured count already, and once measured,
+    its real acceptance decides both."""
     from evospec.engine.budget import Acceptance, draft_features
     target_cost, draft_prior = TokenCostTable(), OnlineCost(4)
     for tokens in range(1, 9):  # each verify row costs 40% of a decode: depth 1 pays at 0.9, not at 0.6
         target_cost.calibrate(tokens, 0.010 + 0.004 * (tokens - 1))
     draft_prior.calibrate(draft_features(1, 1, 1), 0.003)
     budget = SpeculationBudget(target_cost, draft_prior)
+    budget.record_draft_prefill(100, 0.1)  # catch-ups cost 1 ms per context token
     chain, kind = TreeParams(shape="chain", num_draft_tokens=1), ("evospec", 32768, 256)
-    assert budget.learning(kind) and budget.choose([(chain, Acceptance(), kind)], 0) == 1
+    requests = [(chain, Acceptance(), kind)]
+    per_token = functools.partial(budget.seconds_saved_per_token, requests)
+    assert budget.learning(kind) and budget.choose(requests, 0) == 1
+    assert budget.catch_up(per_token, kind, remaining_tokens=1000, lag=100).pays
     for i in range(budget.learn_trees):
         budget.record_acceptance(kind, 1, int(i % 5 < 3))  # 60% accepted
-    assert not budget.learning(kind) and budget.choose([(chain, Acceptance(), kind)], 0) == 0
+    assert not budget.learning(kind) and budget.choose(requests, 0) == 0
+    assert not budget.catch_up(per_token, kind, remaining_tokens=1000, lag=100).pays
+    rejected = ("frspec", 32768, 0)  # still learning, but its first 10 trees were all rejected: no more catch-ups
+    for _ in range(10):
+        budget.record_acceptance(rejected, 1, 0)
+    assert budget.learning(rejected) and budget.choose([(chain, Acceptance(), rejected)], 0) == 0
+    per_token = functools.partial(budget.seconds_saved_per_token, [(chain, Acceptance(), rejected)])
+    assert not budget.catch_up(per_token, rejected, remaining_tokens=1000, lag=100).pays
 
 
 class SlowFailingCatchUp:
