@@ -312,7 +312,7 @@ def formats_seconds(cfg: Qwen3Config, formats: list[str], dtype: torch.dtype, ro
     the formats are timed in turn within each repeat, so a burst of other work on the CPU (the other replica
     loading beside this one) slows every candidate alike instead of one. A format over PRUNE_FACTOR x the fastest
     after the first round is not timed again (its figure is that round's): on an AVX2 CPU the weight-only formats
-    took 4-30x gguf's time, and their six more rounds were seconds of every start-up."""
+    took 4-37x gguf's time, and their six more rounds were seconds of every start-up."""
     calls = []  # (format, run, x, weight): every timed call, and what its time counts for
     head_rows = min(HEAD_SLICE, cfg.vocab_size)
     layers = cfg.num_hidden_layers
