@@ -110,7 +110,7 @@ class FusedStep:
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list) -> torch.Tensor:
         """x [T, hidden] float32 (the embeddings of the segments' tokens, packed), cos/sin [T, head_dim] -> the last
         layer's output [T, hidden]. Every segment has row_slots (Qwen3._packed); each writes its K/V."""
-        x = x.contiguous().clone()
+        x = x.contiguous()  # the embeddings, fresh: updated in place layer by layer
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
         rows, _slot_tensors = self._rows(segments)  # (the tensors `rows` points into, alive until we return)
         m = x.shape[0]

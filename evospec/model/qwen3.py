@@ -365,14 +365,11 @@ class Qwen3(nn.Module):
         # Short segments (decodes, verifies) beside a long one (a prefill chunk): the short ones run the native step,
         # the long ones torch's layers, as two forwards, so every row gets what it would get alone (a decode's
         # numerics must not depend on what it is packed with; the weights are read twice, ~1% of such a step).
-        hidden = {"short": self._run_layers([s for s, ok in zip(segments, short) if ok], native=True),
-                  "long": self._run_layers([s for s, ok in zip(segments, short) if not ok], native=False)}
-        offsets, parts = {"short": 0, "long": 0}, []
-        for seg, ok in zip(segments, short):
-            group = "short" if ok else "long"
-            parts.append(hidden[group][offsets[group]:offsets[group] + seg.num_tokens])
-            offsets[group] += seg.num_tokens
-        return torch.cat(parts)
+        rows = {}  # native? -> each of that group's segments' rows, in order
+        for native in (True, False):
+            group = [seg for seg, ok in zip(segments, short) if ok == native]
+            rows[native] = iter(self._run_layers(group, native).split([seg.num_tokens for seg in group]))
+        return torch.cat([next(rows[ok]) for ok in short])
 
     def _run_layers(self, segments: list[Segment], native: bool) -> torch.Tensor:
         """The segments' final-norm hidden states [T, hidden], through the native step or torch's layers."""

@@ -337,8 +337,8 @@ def formats_seconds(cfg: Qwen3Config, formats: list[str], dtype: torch.dtype, ro
             calls[i][1](calls[i][2])
             best[i] = min(best[i], time.perf_counter() - start)
         if round_ == 0:
-            fastest = min(_totals(calls, best, formats).values())
-            slow = {fmt for fmt, seconds in _totals(calls, best, formats).items() if seconds > PRUNE_FACTOR * fastest}
+            totals = _totals(calls, best, formats)
+            slow = {fmt for fmt, seconds in totals.items() if seconds > PRUNE_FACTOR * min(totals.values())}
             timed = [i for i in timed if calls[i][0] not in slow]
     return _totals(calls, best, formats)
 

@@ -89,6 +89,18 @@ def test_eos_and_max_tokens_inside_accepted_path(tree):
         assert len(out.output_ids) == min(first, max_tokens)
 
 
+def _tree_speculation_matches_ar(decoder, method: str) -> SpecParams:
+    """`method` with a small tree and a 48-token static vocabulary over a quantized draft: greedy output equal to
+    `ar`'s, some draft tokens accepted. Returns the spec it ran."""
+    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
+    spec = SpecParams(method=method, tree=TreeParams(shape="tree", depth=3, branching=2, budget=6),
+                      vocab={"static_size": 48, "dynamic_size": 8})
+    ref = run(decoder, [4, 9, 16], sampling, SpecParams(method="ar"))
+    out = run(decoder, [4, 9, 16], sampling, spec)
+    assert out.output_ids == ref.output_ids and out.stats.accepted > 0
+    return spec
+
+
 @pytest.mark.parametrize("method", ["sd", "frspec", "evospec"])
 def test_int8_draft_is_lossless(method):
     """A dynamically quantized (int8) draft proposes different trees, never different output."""
@@ -99,13 +111,7 @@ def test_int8_draft_is_lossless(method):
     int8_draft = quantize_int8(copy.deepcopy(draft))
     assert int8_draft.layers[0].mlp.up_proj.__class__.__name__ == "Linear" and hasattr(
         int8_draft.layers[0].mlp.up_proj, "_packed_params")  # really quantized
-    decoder = SpeculativeDecoder(target, int8_draft, static_ids=torch.arange(96).flip(0))
-    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
-    spec = SpecParams(method=method, tree=TreeParams(shape="tree", depth=3, branching=2, budget=6),
-                      vocab={"static_size": 48, "dynamic_size": 8})
-    ref = run(decoder, [4, 9, 16], sampling, SpecParams(method="ar"))
-    out = run(decoder, [4, 9, 16], sampling, spec)
-    assert out.output_ids == ref.output_ids and out.stats.accepted > 0
+    _tree_speculation_matches_ar(SpeculativeDecoder(target, int8_draft, static_ids=torch.arange(96).flip(0)), method)
 
 
 @pytest.mark.parametrize("method", ["frspec", "evospec"])
@@ -122,12 +128,7 @@ def test_gguf_draft_with_a_quantized_static_head_is_lossless(method):
     gguf_draft = apply_weight_format(copy.deepcopy(draft), "gguf", None, verifies=False)
     assert gguf_draft.layers[0].mlp.up_proj.kinds == ["q5_0"] and gguf_draft.head.kinds == ["q8_0"]
     decoder = SpeculativeDecoder(target, gguf_draft, static_ids=torch.arange(96).flip(0))
-    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
-    spec = SpecParams(method=method, tree=TreeParams(shape="tree", depth=3, branching=2, budget=6),
-                      vocab={"static_size": 48, "dynamic_size": 8})
-    ref = run(decoder, [4, 9, 16], sampling, SpecParams(method="ar"))
-    out = run(decoder, [4, 9, 16], sampling, spec)
-    assert out.output_ids == ref.output_ids and out.stats.accepted > 0
+    spec = _tree_speculation_matches_ar(decoder, method)
     static_rows = decoder.policies.get(spec).new_session([4, 9, 16]).active.static_rows
     assert isinstance(static_rows, kquant.KQuantLinear)  # the quantized head's rows, not dense ones
 
