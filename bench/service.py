@@ -7,8 +7,8 @@ realistic prompts at several concurrencies, side by side with plain decoding.
                           --arms ar evospec oracle --oracle-depths 2 4      # ~20 min on the real pair, 2 cores
 
 One private local Ray cluster (orchestration/local.py). Phases, one service at a time (memory):
-1. **main**: the YAML exactly as shipped (free ports only). Arms `ar`, `frspec`, `evospec`: each request sets only
-   `method`, everything else is the service's default (its `default_spec`, the load-adaptive draft depth).
+1. **main**: the YAML exactly as shipped (free ports only). Arms `ar`, `frspec`, `evospec`, `lookup`: each request
+   sets only `method`, everything else is the service's default (its `default_spec`, the load-adaptive draft depth).
 2. **oracle**: a second service from the same YAML with `target.scheduler.adaptive: false`, started after the first
    one is shut down. It runs `evospec` at each fixed depth of `--oracle-depths` (the default shape cut to that depth:
    a chain's `num_draft_tokens`; a tree's `depth` with the node `budget` such a tree can use, as the scheduler's
@@ -64,8 +64,8 @@ from evospec.loadtest.run import RequestResult, run_load
 from evospec.loadtest.run import summarize as summarize_load
 
 DEFAULT_CONFIG = "orchestration/configs/cpu-qwen2.5-coder.yaml"
-ARMS = ("ar", "frspec", "evospec", "oracle")
-SERVICE_ARMS = ("ar", "frspec", "evospec")  # run on the main service with only `method` set
+ARMS = ("ar", "frspec", "evospec", "lookup", "oracle")
+SERVICE_ARMS = ("ar", "frspec", "evospec", "lookup")  # run on the main service with only `method` set
 IN_PROCESS = "ar-in-process"
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 WARMUP = LoadRequest([{"role": "user", "content": "Say hello in one short sentence."}], max_tokens=8)

@@ -14,19 +14,21 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from evospec.errors import InvalidRequestError
 
-Method = Literal["ar", "sd", "frspec", "evospec"]
+Method = Literal["ar", "sd", "frspec", "evospec", "lookup"]
 METHODS: tuple[str, ...] = get_args(Method)
 
 
 @dataclass(frozen=True)
 class MethodTraits:
     """What a method does: the only place that maps a method's name to behaviour (everything else asks
-    `traits(method)`). drafts: it proposes trees at all (`ar` is the target alone). static_head: its draft head is
-    the static vocabulary S (else every row of the head). dynamic_buffer: it adds EvoSpec's per-generation buffer D
-    to S (and with it online retrieval and target-fed candidates)."""
+    `traits(method)`). drafts: a draft model proposes its trees (`ar` is the target alone). static_head: its draft
+    head is the static vocabulary S (else every row of the head). dynamic_buffer: it adds EvoSpec's per-generation buffer D
+    to S (and with it online retrieval and target-fed candidates). lookup: its chains come from the request's own
+    context on the target replica (prompt lookup: engine/lookup.py), no draft model, no draft stream."""
     drafts: bool
     static_head: bool = False
     dynamic_buffer: bool = False
+    lookup: bool = False
 
 
 METHOD_TRAITS: dict[str, MethodTraits] = {
@@ -34,6 +36,7 @@ METHOD_TRAITS: dict[str, MethodTraits] = {
     "sd": MethodTraits(drafts=True),
     "frspec": MethodTraits(drafts=True, static_head=True),
     "evospec": MethodTraits(drafts=True, static_head=True, dynamic_buffer=True),
+    "lookup": MethodTraits(drafts=False, lookup=True),
 }
 assert set(METHOD_TRAITS) == set(METHODS), "every method of Method needs its traits here"
 DRAFTING_METHODS: tuple[str, ...] = tuple(m for m in METHODS if METHOD_TRAITS[m].drafts)
@@ -50,6 +53,11 @@ SEED_SPACE = 2**64  # seeds are uint64 (the public API's type and torch.Generato
 # Sampling temperatures below this divide float32 logits into inf/NaN (1e-39 did); greedy is temperature 0 exactly.
 MIN_TEMPERATURE = 1e-3
 MAX_TEMPERATURE = 100.0
+# Prompt lookup (`lookup`): the longest suffix of the context, of LOOKUP_MAX_NGRAM down to LOOKUP_MIN_NGRAM tokens,
+# seen earlier in it proposes what followed it there. 4..3 measured best of 2..5 on greedy answers of the real target
+# (medical-rag, code, chat; docs/results.md, "Prompt lookup").
+LOOKUP_MIN_NGRAM = 3
+LOOKUP_MAX_NGRAM = 4
 MAX_DYNAMIC_SIZE = 4096  # EvoSpec buffer slots a request may ask for (the paper uses 256-1024)
 
 
@@ -155,8 +163,13 @@ class SpecParams(BaseModel):
 
     @property
     def speculative(self) -> bool:
-        """The method drafts trees (every method but target-only `ar`)."""
+        """A draft model drafts the trees (`sd`, `frspec`, `evospec`; not `ar`, not `lookup`)."""
         return traits(self.method).drafts
+
+    @property
+    def proposes(self) -> bool:
+        """Some trees are verified: a draft model's or the request's own context's (`lookup`)."""
+        return self.speculative or traits(self.method).lookup
 
 
 class ModelConfig(BaseModel):

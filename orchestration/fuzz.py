@@ -67,7 +67,7 @@ def base_request(rng: random.Random, limits: Limits) -> pb.GenerateRequest:
 
 def _method(req, rng, limits):
     """The enum, or its string form (what clients built before the enum send), or neither (the server's default)."""
-    method = rng.choice(["", "ar", "sd", "frspec", "evospec"])
+    method = rng.choice(["", "ar", "sd", "frspec", "evospec", "lookup"])
     req.spec.ClearField("method")
     req.spec.ClearField("method_name")
     if method and rng.random() < 0.5:

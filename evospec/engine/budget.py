@@ -122,6 +122,9 @@ class TokenCostTable:
         return (1 - w) * self._seconds[lo] + w * self._seconds[hi]
 
 
+LOOKUP_SECONDS_PER_SESSION = 1e-4  # a `lookup` proposal: a few dictionary probes and a chain's tensors
+
+
 def draft_features(depth: int, sessions: int, rows_per_level: int) -> list[float]:
     """The draft side of one step: per step, per drafting session (feed, feedback, buffer update), per level, and
     per level and row (forward and head)."""
@@ -258,8 +261,14 @@ class SpeculationBudget:
         return cls(target_cost, draft_cost, explore_every=32)
 
     def draft_cost(self, kind: tuple) -> OnlineCost:
+        """What drafting adds for `kind`: from the draft's start-up model; `lookup` (no draft model) from a probe
+        of its n-gram index per session, learnt from its steps like any kind."""
         if kind not in self.draft_costs:
-            self.draft_costs[kind] = copy.deepcopy(self.draft_prior)
+            if traits(kind[0]).lookup:
+                self.draft_costs[kind] = OnlineCost(4)
+                self.draft_costs[kind].calibrate(draft_features(1, 1, 1), LOOKUP_SECONDS_PER_SESSION)
+            else:
+                self.draft_costs[kind] = copy.deepcopy(self.draft_prior)
         return self.draft_costs[kind]
 
     def record_acceptance(self, kind: tuple, depth_drafted: int, accepted_len: int) -> None:

@@ -1,8 +1,9 @@
 """In-process speculative generation: the step loop (draft tree -> target verify -> commit) and its stop rules.
 
 `SpeculativeDecoder` owns one target and optionally one draft model and serves every method through the same loop:
-a method that does not draft (`SpecParams.speculative` false: `ar`) verifies empty trees, the others differ only in
-the draft's vocabulary policy (evospec.vocab.registry).
+a method that does not draft (`SpecParams.speculative` false: `ar`) verifies empty trees, `lookup` verifies chains
+from the request's own context (engine/lookup.py), the others differ only in the draft's vocabulary policy
+(evospec.vocab.registry).
 """
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from dataclasses import dataclass, field
 import torch
 
 from evospec.adapt import Learner, build_learner
-from evospec.config import AdaptConfig, SamplingParams, SpecParams, draft_seed
+from evospec.config import AdaptConfig, SamplingParams, SpecParams, draft_seed, traits
 from evospec.engine.draft import DraftEngine
 from evospec.engine.drafter import Drafter, DrafterFactory, DraftRequest, LocalDrafter, NoDrafter
+from evospec.engine.lookup import LookupDrafter
 from evospec.engine.stats import SpecStats
 from evospec.engine.target import TargetEngine
 from evospec.errors import InvalidRequestError
@@ -125,8 +127,12 @@ class SpeculativeDecoder:
     def _run(self, gen: Generation, prompt_ids, sampling, spec, seed, drafter_factory) -> Iterator[Chunk]:
         max_len = len(prompt_ids) + sampling.max_tokens + spec.tree.max_nodes + 2
         target_session = self.target.start(prompt_ids, sampling, max_len, seed)
-        drafter = drafter_factory(DraftRequest(prompt_ids, sampling, spec, max_len, draft_seed(seed))) \
-            if spec.speculative else NoDrafter()
+        if spec.speculative:
+            drafter = drafter_factory(DraftRequest(prompt_ids, sampling, spec, max_len, draft_seed(seed)))
+        elif traits(spec.method).lookup:
+            drafter = LookupDrafter(prompt_ids, sampling, spec.tree.levels)
+        else:
+            drafter = NoDrafter()
         try:
             while True:
                 t0 = time.perf_counter()

@@ -32,11 +32,12 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from evospec.config import SamplingParams, SchedulerConfig, SpecParams, clip_depth, draft_seed
+from evospec.config import SamplingParams, SchedulerConfig, SpecParams, TreeParams, clip_depth, draft_seed, traits
 from evospec.engine.budget import Acceptance, SpeculationBudget, StepOutcome, draft_kind
 from evospec.engine.drafter import BatchDrafter, DraftRequest, LocalBatchDrafter
 from evospec.engine.generate import SpeculativeDecoder, apply_stop_rules
 from evospec.engine.lease import DraftLease, plan_catch_up
+from evospec.engine.lookup import NgramIndex, chain_tree
 from evospec.engine.profile import StepProfile
 from evospec.engine.stats import SpecStats
 from evospec.engine.target import TargetSession
@@ -87,10 +88,18 @@ class _Request:
     output_ids: list[int] = field(default_factory=list)
     acceptance: Acceptance = field(default_factory=Acceptance)
     catch_up_pays: bool | None = None  # the last catch-up decision (logged when it changes)
+    lookup: NgramIndex | None = None  # `lookup`: its context's n-grams, the source of its chains
 
     @property
     def kind(self) -> tuple:
         return draft_kind(self.spec)
+
+    @property
+    def shape(self) -> TreeParams:
+        """What the request drafts at most: its tree; for `lookup`, a chain as deep (one continuation per step)."""
+        if self.lookup is None:
+            return self.spec.tree
+        return TreeParams(shape="chain", num_draft_tokens=self.spec.tree.levels)
 
     @property
     def max_len(self) -> int:
@@ -270,18 +279,21 @@ class Scheduler:
             prefills = plan_prefill(self._running.values(), self.config.prefill_chunk)
             decoding = [r for r in self._running.values() if r.target.prefill_remaining == 0]
             drafting = [r for r in decoding if r.lease.drafting]  # before _draft: a catch-up may end, a failure drop
-            k = self._choose_depth(drafting, sum(prefills.values()))
+            looking_up = [r for r in decoding if r.lookup is not None]
+            k = self._choose_depth(drafting + looking_up, sum(prefills.values()))
         start = time.perf_counter()
         with profile.span("draft"):
             trees, draft_prefill = self._draft(decoding, prefills, k)
+            trees.update(lookup_trees(looking_up, k))
         draft_seconds = time.perf_counter() - start
         tokens, target_seconds, feedback_seconds, committed = self._verify(decoding, prefills, trees,
                                                                            {r.key for r in drafting})
         with profile.span("plan"):
             if self.budget is not None:
                 self.budget.record_step_outcome(StepOutcome(
-                    depth=k, trees=[(r.kind, r.spec.tree) for r in decoding if r.key in trees],
-                    drafting=[r.kind for r in decoding if r.lease.drafting], prefilled=bool(prefills),
+                    depth=k, trees=[(r.kind, r.shape) for r in decoding if r.key in trees],
+                    drafting=[r.kind for r in decoding if r.lease.drafting or r.lookup is not None],
+                    prefilled=bool(prefills),
                     draft_prefilled=draft_prefill, draft_failed=self._draft_failed, tokens=tokens,
                     target_seconds=target_seconds,
                     draft_seconds=draft_seconds + feedback_seconds, committed=committed))
@@ -324,6 +336,8 @@ class Scheduler:
                 else:
                     deferred = self.config.draft_prefill == "deferred"
                     request.lease.opened(len(request.prompt_ids) - 1 if deferred else 0)
+            if traits(request.spec.method).lookup:
+                request.lookup = NgramIndex(request.prompt_ids)
             request.target = self.decoder.target.open(request.prompt_ids, request.sampling, cache, request.seed)
             self.waiting.pop()
             self._running[request.key] = request
@@ -361,8 +375,8 @@ class Scheduler:
         if not speculative:
             return 0
         if self.budget is None:
-            return max(r.spec.tree.levels for r in speculative)
-        return self.budget.choose([(r.spec.tree, r.acceptance, r.kind) for r in speculative], prefill_tokens)
+            return max(r.shape.levels for r in speculative)
+        return self.budget.choose([(r.shape, r.acceptance, r.kind) for r in speculative], prefill_tokens)
 
     def _draft(self, decoding: list[_Request], prefills: dict[str, int], k: int) -> tuple[dict[str, DraftTree], bool]:
         """This step's trees (depth k) and whether a draft session prefilled: with the target's prompt chunks
@@ -462,6 +476,8 @@ class Scheduler:
             tokens, finish = apply_stop_rules(verified.result.committed_tokens, len(request.output_ids),
                                               request.sampling, self.decoder.eos_ids)
             request.output_ids.extend(tokens)
+            if request.lookup is not None and finish is None:
+                request.lookup.extend(tokens)
             stats.generated_tokens = len(request.output_ids)
             if finish is None and request.lease.held:
                 feedback[request.key] = (verified, stats)
@@ -527,6 +543,16 @@ class Scheduler:
 def draft_request(request: _Request) -> DraftRequest:
     """What the drafter is asked to open for `request`: its prompt, sampling, speculation, KV bound and draft seed."""
     return DraftRequest(request.prompt_ids, request.sampling, request.spec, request.max_len, draft_seed(request.seed))
+
+
+def lookup_trees(requests: list[_Request], k: int) -> dict[str, DraftTree]:
+    """`lookup` requests' chains for a step of depth k (engine/lookup.py); none where the context has no match."""
+    trees = {}
+    for request in requests if k > 0 else ():
+        proposal = request.lookup.propose(clip_depth(request.shape, k).levels)
+        if proposal:
+            trees[request.key] = chain_tree(proposal, request.sampling)
+    return trees
 
 
 def plan_prefill(running: Iterable[_Request], chunk: int) -> dict[str, int]:

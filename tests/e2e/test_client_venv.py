@@ -60,7 +60,7 @@ def test_sdk_from_a_fresh_venv(service, tmp_path):
                          cwd=tmp_path)  # not the repository root: only the installed package is importable
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout)
-    assert out["info"]["methods"] == ["ar", "sd", "frspec", "evospec"]
+    assert out["info"]["methods"] == ["ar", "sd", "frspec", "evospec", "lookup"]
     assert len(out["sync_ids"]) == 12 and out["sync_stats"]["method"] == "evospec"
     assert out["sync_ids"] == out["once_ids"] == out["async_ids"]  # greedy: every method gives the target's tokens
     assert "max_tokens" in out["error"]

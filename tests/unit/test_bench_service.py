@@ -206,7 +206,7 @@ def test_bench_service_on_the_tiny_pair_writes_sane_results(tmp_path):
     assert services["main"]["config"]["target"]["scheduler"]["adaptive"] is True
     assert "secret" not in services["main"]["config"]["draft"]["internal"]
     rows = {(r["arm"], r["concurrency"]): r for r in report["rows"]}
-    assert set(rows) == {(a, c) for a in ("ar", "frspec", "evospec", "oracle") for c in (1, 2)} | {(IN_PROCESS, 1)}
+    assert set(rows) == {(a, c) for a in ("ar", "frspec", "evospec", "lookup", "oracle") for c in (1, 2)} | {(IN_PROCESS, 1)}
     for r in report["rows"]:
         assert r["failed"] == 0 and r["completed"] == r["requests"] and r["tok_s"] > 0, r
         assert r["vs_ar"] is not None and r["vs_oracle"] is not None and r["ttft_p50_ms"] > 0

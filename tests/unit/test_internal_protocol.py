@@ -184,7 +184,7 @@ def test_concurrent_generations_batched_over_the_stream(setup, varying_depth):
     server = make_server(remote_only, pool, budget=RandomDepth(1) if varying_depth else None)
     requests = []
     for i in range(12):
-        method = ["ar", "sd", "frspec", "evospec"][i % 4]
+        method = ["ar", "sd", "frspec", "evospec", "lookup"][i % 5]
         temperature = 0.0 if varying_depth or i % 3 else 0.9
         tree = TreeParams(shape="chain", num_draft_tokens=3) if i % 2 else \
             TreeParams(shape="tree", depth=3, branching=2, budget=7)

@@ -58,7 +58,7 @@ def test_every_front_derives_its_list_from_them():
 
 
 specs = st.builds(
-    SpecParams, method=st.sampled_from(["ar", "sd", "frspec", "evospec"]),
+    SpecParams, method=st.sampled_from(["ar", "sd", "frspec", "evospec", "lookup"]),
     tree=st.builds(TreeParams, shape=st.sampled_from(["chain", "tree"]), num_draft_tokens=st.integers(1, 64),
                    depth=st.integers(1, 16), branching=st.integers(1, 16), budget=st.integers(1, 256)),
     vocab=st.builds(VocabParams, static_size=st.integers(1, 2**31), dynamic_size=st.integers(0, 4096),

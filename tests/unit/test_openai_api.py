@@ -398,7 +398,7 @@ FIELDS = {"model": st.sampled_from([MODEL, MODEL, "gpt-4"]), "max_tokens": TOKEN
           "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}), "n": st.sampled_from([1, 1, 2]),
           "logprobs": st.sampled_from([False, None, True]), "ignore_eos": st.booleans(), "unknown_field": JSON,
           "speculation": st.fixed_dictionaries({}, optional={
-              "method": st.sampled_from(["ar", "sd", "frspec", "evospec", "x"]), "dynamic_size": st.integers(0, 5000),
+              "method": st.sampled_from(["ar", "sd", "frspec", "evospec", "lookup", "x"]), "dynamic_size": st.integers(0, 5000),
               "depth": st.integers(0, 6), "shape": st.sampled_from(["chain", "tree"])})}
 MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "user", "system", "assistant", "tool"]),
                                            "content": st.text(max_size=30) | SURROGATES}), max_size=3)

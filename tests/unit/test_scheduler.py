@@ -90,6 +90,8 @@ MIXED = [
     ("frspec", TreeParams(shape="tree", depth=3, branching=2, budget=6), {"static_size": 64}),
     ("evospec", TreeParams(shape="chain", num_draft_tokens=4), {"static_size": 32, "dynamic_size": 16}),
     ("evospec", TreeParams(shape="tree", depth=5, branching=2, budget=12), {"static_size": 48, "dynamic_size": 8}),
+    ("lookup", TreeParams(shape="chain", num_draft_tokens=4), {}),
+    ("lookup", TreeParams(shape="tree", depth=3, branching=2, budget=6), {}),
 ]
 
 

@@ -15,6 +15,7 @@ class Method(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     METHOD_SD: _ClassVar[Method]
     METHOD_FRSPEC: _ClassVar[Method]
     METHOD_EVOSPEC: _ClassVar[Method]
+    METHOD_LOOKUP: _ClassVar[Method]
 
 class TreeShape(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -32,6 +33,7 @@ METHOD_AR: Method
 METHOD_SD: Method
 METHOD_FRSPEC: Method
 METHOD_EVOSPEC: Method
+METHOD_LOOKUP: Method
 TREE_SHAPE_UNSPECIFIED: TreeShape
 TREE_SHAPE_CHAIN: TreeShape
 TREE_SHAPE_TREE: TreeShape

@@ -1,0 +1,149 @@
+"""Prompt lookup (`lookup`, evospec/engine/lookup.py): what the n-gram index proposes, that its chains are verified
+losslessly (greedy token for token `ar`'s, in the per-request loop and the batching scheduler; sampled: the target's
+distribution, with a negative control), and that the adaptive scheduler drafts them."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from evospec.config import SamplingParams, SchedulerConfig, SpecParams, TreeParams
+from evospec.engine.generate import SpeculativeDecoder
+from evospec.engine.lookup import NgramIndex, chain_tree
+from evospec.engine.scheduler import Scheduler
+from evospec.sampling import logits_to_probs
+from evospec.testing import chi_square_p, random_pair, run_all, samples
+from evospec.verify import sample_by_inverse_cdf, verify_on_device, verify_stochastic
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    target, draft = random_pair(vocab=VOCAB, seed=3, eos=1)
+    return SpeculativeDecoder(target, draft, static_ids=torch.arange(VOCAB))
+
+
+# ---- the index ---------------------------------------------------------------------------------------------------
+
+def test_the_longest_suffix_seen_before_proposes_what_followed_its_latest_occurrence():
+    index = NgramIndex([1, 2, 3, 4, 9, 2, 3, 4, 7, 8, 1, 2, 3, 4], min_n=2, max_n=4)
+    assert index.propose(3) == [9, 2, 3]  # the 4-gram "1 2 3 4" (at 0) wins over the later 3-gram "2 3 4" (at 5)
+    assert NgramIndex(index.tokens, min_n=2, max_n=3).propose(3) == [7, 8, 1]  # "2 3 4": its latest occurrence
+    index.extend([5])
+    assert index.propose(3) == []  # "4 5", "3 4 5", ... never occurred before
+    index.extend([1, 2])
+    assert index.propose(2) == [3, 4]  # "5 1 2" is new; "1 2" last occurred at 10
+
+
+def test_short_suffixes_propose_nothing():
+    index = NgramIndex([1, 2, 1, 2], min_n=3, max_n=4)
+    assert index.propose(4) == []  # "1 2" repeats, but no 3-gram does
+    assert NgramIndex([], min_n=3, max_n=4).propose(4) == []
+    with pytest.raises(ValueError, match="min_n"):
+        NgramIndex([1], min_n=3, max_n=2)
+
+
+@given(st.lists(st.integers(0, 3), max_size=40), st.integers(1, 3), st.integers(0, 2), st.integers(1, 5))
+def test_a_proposal_is_what_followed_the_latest_earlier_occurrence_of_the_longest_suffix(tokens, min_n, extra, k):
+    max_n = min_n + extra
+    brute = []
+    for n in range(max_n, min_n - 1, -1):
+        if len(tokens) < n:
+            continue
+        starts = [s for s in range(len(tokens) - n) if tokens[s:s + n] == tokens[len(tokens) - n:]]
+        if starts:
+            brute = tokens[starts[-1] + n:starts[-1] + n + k]
+            break
+    half = len(tokens) // 2  # built in two parts: extending is the same as building at once
+    index = NgramIndex(tokens[:half], min_n, max_n)
+    index.extend(tokens[half:])
+    assert index.propose(k) == brute
+
+
+def test_chain_tree_greedy_and_sampled():
+    greedy = chain_tree([5, 7, 5], SamplingParams(temperature=0.0))
+    assert greedy.token_ids.tolist() == [5, 7, 5] and greedy.parents.tolist() == [-1, 0, 1] and not greedy.draft_probs
+    sampled = chain_tree([5, 7, 5], SamplingParams(temperature=0.8))
+    assert sampled.active_ids.tolist() == [5, 7]
+    assert {node: q.tolist() for node, q in sampled.draft_probs.items()} == {-1: [1, 0], 0: [0, 1], 1: [1, 0]}
+    assert chain_tree([], SamplingParams()).size == 0
+
+
+# ---- lossless: greedy ------------------------------------------------------------------------------------------------
+
+REPEATING = [5, 6, 7, 8, 9, 10] * 5 + [5, 6, 7]
+
+
+@pytest.mark.parametrize("tree", [TreeParams(shape="chain", num_draft_tokens=4),
+                                  TreeParams(shape="tree", depth=3, branching=2, budget=6)], ids=["chain", "tree"])
+def test_greedy_lookup_is_ar_token_for_token(decoder, tree, verification):
+    sampling = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    for prompt in (REPEATING, [(7 * j + 3) % 90 + 2 for j in range(40)]):
+        ref = decoder.generate(prompt, sampling, SpecParams(method="ar"))
+        got = decoder.generate(prompt, sampling, SpecParams(method="lookup", tree=tree))
+        assert list(got) and list(ref)
+        assert got.output_ids == ref.output_ids
+    assert got.stats.drafted > 0 and got.stats.drafted <= got.stats.steps * tree.levels
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+def test_the_scheduler_drafts_lookup_chains_and_commits_ars_tokens(decoder, adaptive, verification):
+    sampling = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = [REPEATING, REPEATING[3:] * 2, [(5 * j + 1) % 90 + 2 for j in range(30)]]
+    vocab = {"static_size": 64, "dynamic_size": 8}
+    requests = [(p, sampling, SpecParams(method=m, vocab=vocab)) for p in prompts for m in ("lookup", "ar", "evospec")]
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=8192, prefill_chunk=32, adaptive=adaptive))
+    sinks = run_all(scheduler, requests)
+    by_prompt = {}
+    for (prompt, _, spec), sink in zip(requests, sinks):
+        by_prompt.setdefault(tuple(prompt), {})[spec.method] = sink
+    for outputs in by_prompt.values():
+        assert outputs["lookup"].tokens == outputs["ar"].tokens == outputs["evospec"].tokens
+    assert sum(out["lookup"].finished.stats.drafted for out in by_prompt.values()) > 0
+    assert all(out["ar"].finished.stats.drafted == 0 for out in by_prompt.values())
+    assert scheduler.arena.free_tokens == scheduler.arena.capacity
+
+
+# ---- lossless: sampling ----------------------------------------------------------------------------------------------
+
+SMALL_VOCAB = 6
+FULL_SAMPLES = 20_000
+
+
+def first_of_reference(tree, probs, generator) -> int:
+    return verify_stochastic(tree, probs, generator).committed_tokens[0]
+
+
+def first_of_batched(tree, probs, generator) -> int:
+    """verify_on_device takes logits: log p gives p back at temperature 1."""
+    return verify_on_device([tree], probs.log(), [SamplingParams(temperature=1.0)], [generator])[0].committed_tokens[0]
+
+
+def first_of_naive(tree, probs, generator) -> int:
+    """Negative control: accepts the proposed token with probability p(x) but, on a rejection, samples p itself (no
+    residual without x): x is then over-represented."""
+    u = torch.rand(2, generator=generator)
+    proposed = int(tree.token_ids[0])
+    return proposed if u[0] < probs[0, proposed] else int(sample_by_inverse_cdf(probs[0], u[1]))
+
+
+def first_token_counts(first_of, chain, probs, seed) -> np.ndarray:
+    generator = torch.Generator().manual_seed(seed)
+    tree = chain_tree(chain, SamplingParams(temperature=1.0))
+    rows = torch.stack([probs[0]] + [probs[1 + t] for t in chain])
+    counts = np.zeros(SMALL_VOCAB)
+    for _ in range(samples(FULL_SAMPLES)):
+        counts[first_of(tree, rows, generator)] += 1
+    return counts
+
+
+@pytest.mark.parametrize("first_of", [first_of_reference, first_of_batched], ids=["reference", "batched"])
+def test_sampled_lookup_commits_the_targets_distribution(first_of):
+    gen = torch.Generator().manual_seed(5)
+    probs = logits_to_probs(torch.randn(1 + SMALL_VOCAB, SMALL_VOCAB, generator=gen) * 1.5,
+                            SamplingParams(temperature=1.0))
+    chain = [int(probs[0].argmax()), 2, 2]  # the likeliest token first: a rejection must move its mass elsewhere
+    assert chi_square_p(first_token_counts(first_of, chain, probs, seed=1), probs[0].numpy()) > 1e-3
+    control = first_token_counts(first_of_naive, chain, probs, seed=1)
+    assert chi_square_p(control, probs[0].numpy()) < 1e-6  # the same count rejects a verifier without the residual
