@@ -221,7 +221,10 @@ class SchedulerConfig(BaseModel):
     its prompt. deferred: after the target's prefill, in chunks, while the request already decodes target-only, so
     speculation never delays the first token (its first steps have no tree). with_target: in the same engine steps
     as the target's prefill, before the first token (the per-request loop's order; tests compare seeded samples with
-    it)."""
+    it). lookup_fallback (with `adaptive`): a request of a draft-model method verifies a prompt-lookup chain
+    (engine/lookup.py) in the steps its draft proposes no tree (the budget chose not to draft, its draft is catching
+    up or lost), where the budget finds that it pays: lossless, and next to free where a draft level is not (a CPU).
+    """
     model_config = ConfigDict(frozen=True, extra="forbid")
     kv_tokens: int = Field(32768, ge=16)
     draft_kv_tokens: int | None = Field(None, ge=16)
@@ -233,6 +236,7 @@ class SchedulerConfig(BaseModel):
     draft_max_retry_s: float = Field(16.0, gt=0)
     stall_timeout_s: float = Field(180.0, gt=0)
     draft_prefill: Literal["deferred", "with_target"] = "deferred"
+    lookup_fallback: bool = True
 
 
 AdaptMode = Literal["off", "lora", "full"]

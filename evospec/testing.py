@@ -102,7 +102,7 @@ class RandomDepth(SpeculationBudget):
         super().__init__(TokenCostTable(), OnlineCost(4))
         self.rng, self.max_depth = random.Random(seed), max_depth
 
-    def choose(self, requests, prefill_tokens: int) -> int:
+    def choose(self, requests, prefill_tokens: int, source: str = "draft") -> int:
         return self.rng.randrange(0, self.max_depth + 1)
 
 

@@ -123,6 +123,7 @@ class TokenCostTable:
 
 
 LOOKUP_SECONDS_PER_SESSION = 1e-4  # a `lookup` proposal: a few dictionary probes and a chain's tensors
+LOOKUP_KIND: tuple = ("lookup",)  # the draft kind of every prompt-lookup chain (`lookup`, and the lookup fallback)
 
 
 def draft_features(depth: int, sessions: int, rows_per_level: int) -> list[float]:
@@ -144,6 +145,7 @@ class StepOutcome:
     target_seconds: float
     draft_seconds: float  # the draft side: trees and feedback
     committed: int  # tokens the decoding sessions committed
+    lookup_depth: int = 0  # the depth chosen for the step's prompt-lookup chains (`LOOKUP_KIND` trees)
 
 
 @dataclass
@@ -234,8 +236,7 @@ class SpeculationBudget:
         self.learn_trees = 32  # verified trees of a kind before its measured acceptance decides a catch-up
         self.optimistic_acceptance = 0.9  # per level, the kind's acceptance assumed until then
         self.explore_every = explore_every  # after this many steps without a draft, draft once to re-measure
-        self._steps_without_draft = 0
-        self._explore_interval = explore_every
+        self._exploring: dict[str, list[int]] = {}  # source -> [steps without a draft, steps to wait before one]
         self._goodput: dict[tuple, GoodputMeter] = {}  # (kinds, batch-size bucket, drafted) -> tokens/s
         self._draft_prefill = GoodputMeter()  # context tokens a draft prefills per second (catch-up's price)
         self._answer_lengths: collections.deque[int] = collections.deque(maxlen=32)  # recent natural ends
@@ -264,7 +265,7 @@ class SpeculationBudget:
         """What drafting adds for `kind`: from the draft's start-up model; `lookup` (no draft model) from a probe
         of its n-gram index per session, learnt from its steps like any kind."""
         if kind not in self.draft_costs:
-            if traits(kind[0]).lookup:
+            if kind == LOOKUP_KIND:
                 self.draft_costs[kind] = OnlineCost(4)
                 self.draft_costs[kind].calibrate(draft_features(1, 1, 1), LOOKUP_SECONDS_PER_SESSION)
             else:
@@ -283,8 +284,12 @@ class SpeculationBudget:
         """What an engine step cost and gave: its costs (`record_step`; drafting rows by kind) and, for a step of
         decoding alone, its goodput (`record_goodput`). Of a step in which a draft session prefilled or the draft
         failed, only a plain target forward counts (it is timed apart from the draft); drafting costs and goodput
-        are not drafting's there: a replica that died mid-step must not teach the budget that drafting never pays."""
-        if outcome.draft_prefilled or outcome.draft_failed:
+        are not drafting's there: a replica that died mid-step must not teach the budget that drafting never pays.
+        Nor does a step whose target forward also prefilled prompt chunks teach drafting costs: what such a forward
+        takes beyond the cost table is mostly the table's error at prefill sizes (seconds of work, priced from few
+        plain steps), not the trees' rows; charged to drafting it priced a free drafter (`lookup`) out of the
+        choice after a few concurrent long prompts."""
+        if outcome.draft_prefilled or outcome.draft_failed or (outcome.prefilled and outcome.trees):
             if not outcome.trees:
                 self.record_step(outcome.tokens, outcome.target_seconds)
             return
@@ -293,25 +298,40 @@ class SpeculationBudget:
             sessions, rows = drafted_rows.get(kind, (0, 0))
             drafted_rows[kind] = (sessions + 1, rows + shape.width)
         self.record_step(outcome.tokens, outcome.target_seconds, outcome.depth if outcome.trees else 0,
-                         drafted_rows, outcome.draft_seconds)
-        if not outcome.prefilled and outcome.drafting:
-            self.record_goodput(frozenset(outcome.drafting), len(outcome.drafting), bool(outcome.trees),
-                                outcome.committed, outcome.draft_seconds + outcome.target_seconds)
+                         drafted_rows, outcome.draft_seconds, outcome.lookup_depth)
+        if outcome.prefilled or not outcome.drafting:
+            return
+        # Each source's safety net sees only its own steps: a step with prompt-lookup chains says nothing of what the
+        # draft model's trees give, and one with the draft's trees nothing of what lookup gives.
+        seconds = outcome.draft_seconds + outcome.target_seconds
+        with_chains = any(kind == LOOKUP_KIND for kind, _ in outcome.trees)
+        with_trees = any(kind != LOOKUP_KIND for kind, _ in outcome.trees)
+        draft_kinds = [kind for kind in outcome.drafting if kind != LOOKUP_KIND]
+        if draft_kinds and not with_chains:
+            self.record_goodput(frozenset(draft_kinds), len(draft_kinds), with_trees, outcome.committed, seconds)
+        lookups = len(outcome.drafting) - len(draft_kinds)
+        if lookups and not with_trees:
+            self.record_goodput(frozenset([LOOKUP_KIND]), lookups, with_chains, outcome.committed, seconds)
 
     def record_step(self, tokens: int, target_seconds: float, depth: int = 0,
-                    drafting: dict[tuple, tuple[int, int]] | None = None, draft_seconds: float = 0.0) -> None:
-        """One engine step: its target forward over `tokens`, and, when it drafted (`depth` levels; `drafting` =
-        {kind: (sessions, rows per level)}), the draft side's seconds (trees and feedback). Drafting is charged
-        everything it added: its own time plus what the target took beyond its cost alone (on a shared CPU the
-        draft's weights push the target's out of the caches). A step of several kinds shares it by sessions."""
-        if depth == 0 or not drafting:
+                    drafting: dict[tuple, tuple[int, int]] | None = None, draft_seconds: float = 0.0,
+                    lookup_depth: int = 0) -> None:
+        """One engine step: its target forward over `tokens`, and, when it drafted (`depth` levels of the draft
+        model's trees, `lookup_depth` of prompt-lookup chains; `drafting` = {kind: (sessions, rows per level)}), the
+        draft side's seconds (trees and feedback). Drafting is charged everything it added: its own time plus what
+        the target took beyond its cost alone (on a shared CPU the draft's weights push the target's out of the
+        caches). A step of several kinds shares it by sessions."""
+        depths = {kind: lookup_depth if kind == LOOKUP_KIND else depth for kind in drafting or {}}
+        drafted = {kind: rows for kind, rows in (drafting or {}).items() if depths[kind]}
+        if not drafted:
             self.target_cost.update(tokens, target_seconds)
             return
         excess = max(0.0, target_seconds - self.target_cost(tokens))
-        total_sessions = sum(n for n, _ in drafting.values())
-        for kind, (sessions, rows) in drafting.items():
+        total_sessions = sum(n for n, _ in drafted.values())
+        for kind, (sessions, rows) in drafted.items():
             share = sessions / total_sessions
-            self.draft_cost(kind).update(draft_features(depth, sessions, rows), share * (draft_seconds + excess))
+            self.draft_cost(kind).update(draft_features(depths[kind], sessions, rows),
+                                         share * (draft_seconds + excess))
 
     def record_goodput(self, kinds: frozenset, sessions: int, drafted: bool, committed: int, seconds: float) -> None:
         """A whole step's outcome: `committed` tokens over `sessions` speculative sessions of `kinds` in `seconds`.
@@ -345,9 +365,12 @@ class SpeculationBudget:
         prior = self.optimistic_acceptance if self.learning(kind) else self.prior_alpha
         return [acceptance.rate(j, prior, prior_weight=16.0) for j in range(depth)]
 
-    def choose(self, requests: list[tuple[TreeParams, Acceptance, tuple]], prefill_tokens: int) -> int:
+    def choose(self, requests: list[tuple[TreeParams, Acceptance, tuple]], prefill_tokens: int,
+               source: str = "draft") -> int:
         """The draft depth k (0 = no draft this step) with the best expected goodput for these requests
-        ((shape, the request's acceptance, its draft kind) each)."""
+        ((shape, the request's acceptance, its draft kind) each). `source`: whose trees these are (the draft model's,
+        or prompt lookup's), each with its own exploration schedule, so one that drafts does not keep the other
+        from re-measuring."""
         if not requests:
             return 0
         max_depth = max(p.levels for p, _, _ in requests)
@@ -363,15 +386,15 @@ class SpeculationBudget:
             # Costs learnt only from drafting steps go stale while nobody drafts (load fell, a draft got faster):
             # now and then draft anyway, one level (the cheapest probe), to measure again. Each exploration the
             # safety net still vetoes doubles the wait for the next, so a draft that never pays costs ever less.
-            self._steps_without_draft += 1
-            if self._steps_without_draft >= self._explore_interval:
-                self._steps_without_draft = 0
+            exploring = self._exploring.setdefault(source, [0, self.explore_every])
+            exploring[0] += 1
+            if exploring[0] >= exploring[1]:
+                exploring[0] = 0
                 if vetoed:
-                    self._explore_interval = min(2 * self._explore_interval, 64 * self.explore_every)
+                    exploring[1] = min(2 * exploring[1], 64 * self.explore_every)
                 return 1
         else:
-            self._steps_without_draft = 0
-            self._explore_interval = self.explore_every
+            self._exploring[source] = [0, self.explore_every]
         return best_k
 
     def _expected_steps(self, requests: list[tuple[TreeParams, Acceptance, tuple]],

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from evospec.config import SamplingParams, SchedulerConfig, SpecParams, TreeParams, clip_depth, draft_seed, traits
-from evospec.engine.budget import Acceptance, SpeculationBudget, StepOutcome, draft_kind
+from evospec.engine.budget import LOOKUP_KIND, Acceptance, SpeculationBudget, StepOutcome, draft_kind
 from evospec.engine.drafter import BatchDrafter, DraftRequest, LocalBatchDrafter
 from evospec.engine.generate import SpeculativeDecoder, apply_stop_rules
 from evospec.engine.lease import DraftLease, plan_catch_up
@@ -88,17 +88,16 @@ class _Request:
     output_ids: list[int] = field(default_factory=list)
     acceptance: Acceptance = field(default_factory=Acceptance)
     catch_up_pays: bool | None = None  # the last catch-up decision (logged when it changes)
-    lookup: NgramIndex | None = None  # `lookup`: its context's n-grams, the source of its chains
+    lookup: NgramIndex | None = None  # its context's n-grams: the source of `lookup` chains (and of the fallback's)
+    lookup_acceptance: Acceptance = field(default_factory=Acceptance)  # of its prompt-lookup chains
 
     @property
     def kind(self) -> tuple:
         return draft_kind(self.spec)
 
     @property
-    def shape(self) -> TreeParams:
-        """What the request drafts at most: its tree; for `lookup`, a chain as deep (one continuation per step)."""
-        if self.lookup is None:
-            return self.spec.tree
+    def lookup_shape(self) -> TreeParams:
+        """Its prompt-lookup chains at most: as deep as its tree (one continuation per step)."""
         return TreeParams(shape="chain", num_draft_tokens=self.spec.tree.levels)
 
     @property
@@ -279,20 +278,26 @@ class Scheduler:
             prefills = plan_prefill(self._running.values(), self.config.prefill_chunk)
             decoding = [r for r in self._running.values() if r.target.prefill_remaining == 0]
             drafting = [r for r in decoding if r.lease.drafting]  # before _draft: a catch-up may end, a failure drop
-            looking_up = [r for r in decoding if r.lookup is not None]
-            k = self._choose_depth(drafting + looking_up, sum(prefills.values()))
+            k = self._choose_depth(drafting, sum(prefills.values()))
         start = time.perf_counter()
         with profile.span("draft"):
             trees, draft_prefill = self._draft(decoding, prefills, k)
-            trees.update(lookup_trees(looking_up, k))
+            looking_up = [r for r in decoding if r.lookup is not None and r.key not in trees and r.key in self._running]
+            others = {r.key for r in decoding} - {r.key for r in looking_up}
+            k_lookup = self._choose_lookup_depth(looking_up, sum(prefills.values()) + sum(
+                1 + (trees[key].size if key in trees else 0) for key in others))
+            chains = lookup_trees(looking_up, k_lookup)
+        trees.update(chains)
         draft_seconds = time.perf_counter() - start
         tokens, target_seconds, feedback_seconds, committed = self._verify(decoding, prefills, trees,
-                                                                           {r.key for r in drafting})
+                                                                           {r.key for r in drafting}, set(chains))
         with profile.span("plan"):
             if self.budget is not None:
                 self.budget.record_step_outcome(StepOutcome(
-                    depth=k, trees=[(r.kind, r.shape) for r in decoding if r.key in trees],
-                    drafting=[r.kind for r in decoding if r.lease.drafting or r.lookup is not None],
+                    depth=k, lookup_depth=k_lookup,
+                    trees=[(LOOKUP_KIND, r.lookup_shape) if r.key in chains else (r.kind, r.spec.tree)
+                           for r in decoding if r.key in trees],
+                    drafting=[r.kind for r in decoding if r.lease.drafting] + [LOOKUP_KIND] * len(looking_up),
                     prefilled=bool(prefills),
                     draft_prefilled=draft_prefill, draft_failed=self._draft_failed, tokens=tokens,
                     target_seconds=target_seconds,
@@ -336,11 +341,16 @@ class Scheduler:
                 else:
                     deferred = self.config.draft_prefill == "deferred"
                     request.lease.opened(len(request.prompt_ids) - 1 if deferred else 0)
-            if traits(request.spec.method).lookup:
+            if self._proposes_by_lookup(request.spec):
                 request.lookup = NgramIndex(request.prompt_ids)
             request.target = self.decoder.target.open(request.prompt_ids, request.sampling, cache, request.seed)
             self.waiting.pop()
             self._running[request.key] = request
+
+    def _proposes_by_lookup(self, spec: SpecParams) -> bool:
+        """`lookup` requests, and with the fallback (`lookup_fallback`, under a budget) every draft-model request."""
+        fallback = spec.speculative and self.config.lookup_fallback and self.budget is not None
+        return traits(spec.method).lookup or fallback
 
     def _drop_cancelled(self) -> None:
         now = time.monotonic()
@@ -375,8 +385,19 @@ class Scheduler:
         if not speculative:
             return 0
         if self.budget is None:
-            return max(r.shape.levels for r in speculative)
-        return self.budget.choose([(r.shape, r.acceptance, r.kind) for r in speculative], prefill_tokens)
+            return max(r.spec.tree.levels for r in speculative)
+        return self.budget.choose([(r.spec.tree, r.acceptance, r.kind) for r in speculative], prefill_tokens)
+
+    def _choose_lookup_depth(self, requests: list[_Request], other_tokens: int) -> int:
+        """The depth of this step's prompt-lookup chains (engine/lookup.py) for `requests`: `lookup` requests and,
+        with the fallback, requests whose draft proposed no tree this step; `other_tokens`: the rest of the step's
+        target forward (prefill chunks, the draft's trees, plain rows). Without a budget, each chain's full depth."""
+        if not requests:
+            return 0
+        if self.budget is None:
+            return max(r.lookup_shape.levels for r in requests)
+        return self.budget.choose([(r.lookup_shape, r.lookup_acceptance, LOOKUP_KIND) for r in requests],
+                                  other_tokens, source="lookup")
 
     def _draft(self, decoding: list[_Request], prefills: dict[str, int], k: int) -> tuple[dict[str, DraftTree], bool]:
         """This step's trees (depth k) and whether a draft session prefilled: with the target's prompt chunks
@@ -442,10 +463,10 @@ class Scheduler:
         return paying
 
     def _verify(self, decoding: list[_Request], prefills: dict[str, int], trees: dict[str, DraftTree],
-                drafting: set[str]) -> tuple[int, float, float, int]:
-        """Target forward, verification, commit, events; then the draft's feedback. Returns the target forward's
-        tokens and seconds, the feedback's seconds (draft-side work, like drafting itself) and the tokens the
-        decoding sessions committed."""
+                drafting: set[str], chains: set[str]) -> tuple[int, float, float, int]:
+        """Target forward, verification, commit, events; then the draft's feedback. `chains`: the requests whose
+        tree is a prompt-lookup chain. Returns the target forward's tokens and seconds, the feedback's seconds
+        (draft-side work, like drafting itself) and the tokens the decoding sessions committed."""
         decoding = [r for r in decoding if r.key in self._running]  # a draft failure may have ended some
         prefill_items = [(r.target, n) for key, n in prefills.items() if (r := self._running.get(key))]
         verifies = [(r, trees.get(r.key, DraftTree.empty())) for r in decoding]
@@ -469,7 +490,10 @@ class Scheduler:
             accepted = len(verified.result.accepted_nodes)
             stats.record_step(tree.size, accepted, tree.depth)
             if tree.size and self.budget is not None:
-                self.budget.record_tree(request.acceptance, request.kind, tree.depth, accepted)
+                if request.key in chains:
+                    self.budget.record_tree(request.lookup_acceptance, LOOKUP_KIND, tree.depth, accepted)
+                else:
+                    self.budget.record_tree(request.acceptance, request.kind, tree.depth, accepted)
             if request.spec.speculative and stats.fallback_reason and not (request.key in drafting and
                                                                             request.lease.held):
                 stats.fallback_steps += 1  # no tree: the draft failed, or its replacement was catching up
@@ -549,7 +573,7 @@ def lookup_trees(requests: list[_Request], k: int) -> dict[str, DraftTree]:
     """`lookup` requests' chains for a step of depth k (engine/lookup.py); none where the context has no match."""
     trees = {}
     for request in requests if k > 0 else ():
-        proposal = request.lookup.propose(clip_depth(request.shape, k).levels)
+        proposal = request.lookup.propose(clip_depth(request.lookup_shape, k).levels)
         if proposal:
             trees[request.key] = chain_tree(proposal, request.sampling)
     return trees

@@ -1,6 +1,6 @@
 """Prompt lookup (`lookup`, evospec/engine/lookup.py): what the n-gram index proposes, that its chains are verified
 losslessly (greedy token for token `ar`'s, in the per-request loop and the batching scheduler; sampled: the target's
-distribution, with a negative control), and that the adaptive scheduler drafts them."""
+distribution, with a negative control), and that the adaptive scheduler drafts them, priced at their rows alone."""
 import numpy as np
 import pytest
 import torch
@@ -8,6 +8,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from evospec.config import SamplingParams, SchedulerConfig, SpecParams, TreeParams
+from evospec.engine.budget import (
+    LOOKUP_SECONDS_PER_SESSION,
+    Acceptance,
+    OnlineCost,
+    SpeculationBudget,
+    StepOutcome,
+    TokenCostTable,
+    draft_features,
+    draft_kind,
+)
 from evospec.engine.generate import SpeculativeDecoder
 from evospec.engine.lookup import NgramIndex, chain_tree
 from evospec.engine.scheduler import Scheduler
@@ -147,3 +157,76 @@ def test_sampled_lookup_commits_the_targets_distribution(first_of):
     assert chi_square_p(first_token_counts(first_of, chain, probs, seed=1), probs[0].numpy()) > 1e-3
     control = first_token_counts(first_of_naive, chain, probs, seed=1)
     assert chi_square_p(control, probs[0].numpy()) < 1e-6  # the same count rejects a verifier without the residual
+
+
+def test_the_budget_prices_a_lookup_chain_at_its_rows_alone():
+    """A draft model whose level costs nearly a target row's worth of time does not pay at this acceptance; the
+    same chain from prompt lookup (no draft forward) does, from the first step (no draft cost to learn first)."""
+    target_cost = TokenCostTable()
+    for tokens in range(1, 9):
+        target_cost.calibrate(tokens, 0.060 + 0.020 * (tokens - 1))  # a 2-core CPU: ~20 ms per verify row
+    draft_prior = OnlineCost(4)
+    draft_prior.calibrate(draft_features(1, 1, 1), 0.050)  # a draft level: ~50 ms
+    budget = SpeculationBudget(target_cost, draft_prior)
+    chain = TreeParams(shape="chain", num_draft_tokens=4)
+    assert budget.choose([(chain, Acceptance(), draft_kind(SpecParams(method="evospec")))], 0) == 0
+    assert budget.choose([(chain, Acceptance(), draft_kind(SpecParams(method="lookup")))], 0) >= 1
+
+
+def test_the_sizing_replay_walks_an_answer_as_the_scheduler_would():
+    """bench/lookup.py's replay: no match for two steps (one token each), then "1 2" proposes the rest, accepted in
+    full, plus the target's own next token; each step priced at its rows."""
+    from evospec.bench.lookup import replay
+    cost = {1: 1.0, 2: 1.5, 3: 2.0, 4: 2.5}
+    run = replay([1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 9], max_n=2, min_n=2, k=3, cost=cost)
+    assert (run.tokens, run.steps, run.drafted, run.accepted, run.seconds) == (6, 3, 3, 3, 4.5)
+    wrong = replay([1, 2, 3, 4, 5], [1, 2, 7, 7, 7, 7], max_n=2, min_n=2, k=3, cost=cost)
+    # "1 2" proposes 3 4 5, rejected at once; later "7 7" proposes the one 7 that followed it, accepted
+    assert (wrong.steps, wrong.drafted, wrong.accepted) == (6, 4, 1)
+
+
+def test_a_step_that_also_prefilled_teaches_drafting_nothing():
+    """A forward over a prompt chunk and a lookup chain took longer than the cost table says (its error at prefill
+    sizes): that excess is not the chain's, so the kind's learnt cost stays a probe and lookup keeps drafting. The
+    same excess in a step of decoding alone is charged to drafting (the rows really cost it)."""
+    target_cost = TokenCostTable()
+    for tokens in range(1, 9):
+        target_cost.calibrate(tokens, 0.060 + 0.020 * (tokens - 1))
+    budget = SpeculationBudget(target_cost, OnlineCost(4))
+    kind, chain = draft_kind(SpecParams(method="lookup")), TreeParams(shape="chain", num_draft_tokens=4)
+    before = budget.draft_cost(kind).weights.copy()
+
+    def outcome(prefilled: bool) -> StepOutcome:
+        return StepOutcome(depth=0, lookup_depth=4, trees=[(kind, chain)], drafting=[kind], prefilled=prefilled,
+                           draft_prefilled=False, draft_failed=False, tokens=256 + 5, target_seconds=6.0,
+                           draft_seconds=1e-4, committed=3)
+
+    for _ in range(20):
+        budget.record_step_outcome(outcome(prefilled=True))
+    assert (budget.draft_cost(kind).weights == before).all()
+    assert budget.choose([(chain, Acceptance(), kind)], 0) >= 1
+    budget.record_step_outcome(outcome(prefilled=False))
+    assert budget.draft_cost(kind)(draft_features(4, 1, 1)) > 10 * LOOKUP_SECONDS_PER_SESSION
+
+
+@pytest.mark.parametrize("fallback", [True, False], ids=["fallback", "no-fallback"])
+def test_a_draft_that_does_not_pay_falls_back_to_lookup_chains(decoder, fallback, verification):
+    """The budget finds that the draft model never pays (a level costs seconds): with `lookup_fallback` the evospec
+    request still verifies prompt-lookup chains, and commits `ar`'s tokens either way."""
+    target_cost = TokenCostTable()
+    for tokens in range(1, 65):
+        target_cost.calibrate(tokens, 0.060 + 0.020 * (tokens - 1))
+    draft_prior = OnlineCost(4)
+    draft_prior.calibrate(draft_features(1, 1, 1), 10.0)
+    budget = SpeculationBudget(target_cost, draft_prior, explore_every=10**6)
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=8192, prefill_chunk=32, lookup_fallback=fallback),
+                          budget=budget)
+    sampling = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    spec = SpecParams(method="evospec", vocab={"static_size": 64, "dynamic_size": 8})
+    [sink] = run_all(scheduler, [(REPEATING, sampling, spec)])
+    ref = decoder.generate(REPEATING, sampling, SpecParams(method="ar"))
+    list(ref)
+    assert sink.tokens == ref.output_ids
+    stats = sink.finished.stats
+    assert (stats.drafted > 0) == fallback and stats.fallback_steps == 0
+    assert scheduler.drafter.arena.free_tokens == scheduler.drafter.arena.capacity  # its draft session was closed

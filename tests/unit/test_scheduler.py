@@ -374,7 +374,8 @@ def test_a_catch_up_runs_only_where_it_pays(decoder):
     assert budget.expected_remaining(100, 500) == 20  # past the typical length: half that again
 
     budget.record_draft_prefill(1, 1000.0)  # now a catch-up is ruinous: the request never drafts
-    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, prefill_chunk=8), budget=budget)
+    scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, prefill_chunk=8, lookup_fallback=False),
+                          budget=budget)  # (no prompt-lookup chains either: the draft's own trees are counted here)
     spec = SpecParams(method="frspec", tree=chain, vocab={"static_size": 64})
     sampling = SamplingParams(max_tokens=12, ignore_eos=True)
     sink = Collector()
