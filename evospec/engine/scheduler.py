@@ -5,6 +5,8 @@ One engine step:
    drop cancelled and expired ones.
 2. Choose the step's draft depth (budget.py; fixed at each request's own shape when `adaptive` is off).
 3. Draft: one packed draft forward per tree level over every speculative session (plus the draft's share of prefill).
+   Then prompt-lookup chains (engine/lookup.py), at a depth the budget chooses for them, for `lookup` requests and
+   for those whose draft proposed no tree this step (`lookup_fallback`).
 4. Target: one packed forward over prefill chunks (at most `prefill_chunk` prompt tokens in all) and every decoding
    session's [pending] + tree, the LM head on the verified rows only, `verify_batch`, commit.
 5. Stop rules, events to each request's sink, feedback to the draft (buffer updates) for those that go on.
@@ -570,7 +572,7 @@ def draft_request(request: _Request) -> DraftRequest:
 
 
 def lookup_trees(requests: list[_Request], k: int) -> dict[str, DraftTree]:
-    """`lookup` requests' chains for a step of depth k (engine/lookup.py); none where the context has no match."""
+    """Prompt-lookup chains for a step of depth k (engine/lookup.py); none where the context has no match."""
     trees = {}
     for request in requests if k > 0 else ():
         proposal = request.lookup.propose(clip_depth(request.lookup_shape, k).levels)
