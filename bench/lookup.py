@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from evospec.bench.formats import first_divergence
 from evospec.bench.service import DEFAULT_CONFIG, environment, progress
 from evospec.config import LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM, SamplingParams, SpecParams
 from evospec.datasets import REALISTIC_PROMPT_SETS
@@ -53,9 +54,7 @@ def replay(prompt: list[int], answer: list[int], max_n: int, min_n: int, k: int,
     seconds = 0.0
     while done < len(answer):
         proposal = index.propose(k)
-        matched = 0
-        while matched < len(proposal) and done + matched < len(answer) and proposal[matched] == answer[done + matched]:
-            matched += 1
+        matched = first_divergence(proposal, answer[done:])  # the accepted prefix of the chain
         committed = answer[done:done + matched + 1]
         index.extend(committed)
         done += len(committed)

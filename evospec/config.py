@@ -22,9 +22,10 @@ METHODS: tuple[str, ...] = get_args(Method)
 class MethodTraits:
     """What a method does: the only place that maps a method's name to behaviour (everything else asks
     `traits(method)`). drafts: a draft model proposes its trees (`ar` is the target alone). static_head: its draft
-    head is the static vocabulary S (else every row of the head). dynamic_buffer: it adds EvoSpec's per-generation buffer D
-    to S (and with it online retrieval and target-fed candidates). lookup: its chains come from the request's own
-    context on the target replica (prompt lookup: engine/lookup.py), no draft model, no draft stream."""
+    head is the static vocabulary S (else every row of the head). dynamic_buffer: it adds EvoSpec's per-generation
+    buffer D to S (and with it online retrieval and target-fed candidates). lookup: its chains come from the
+    request's own context on the target replica (prompt lookup: engine/lookup.py), no draft model, no draft
+    stream."""
     drafts: bool
     static_head: bool = False
     dynamic_buffer: bool = False
@@ -165,11 +166,6 @@ class SpecParams(BaseModel):
     def speculative(self) -> bool:
         """A draft model drafts the trees (`sd`, `frspec`, `evospec`; not `ar`, not `lookup`)."""
         return traits(self.method).drafts
-
-    @property
-    def proposes(self) -> bool:
-        """Some trees are verified: a draft model's or the request's own context's (`lookup`)."""
-        return self.speculative or traits(self.method).lookup
 
 
 class ModelConfig(BaseModel):
