@@ -124,18 +124,44 @@ class _MuxStream:
 
 
 class _Link:
-    """The multiplexed stream to one draft replica, the sessions it holds and the ops queued for it."""
+    """The multiplexed stream to one draft replica, the sessions it holds and the ops queued for it.
+
+    Outcomes of steps a session did not draft only append tokens on the replica; they wait in `ops` for the next
+    message that goes out anyway (a tree, a start, a close, a drafted step's outcome), so a replica whose sessions
+    the budget does not draft for gets no message and does no work per step (on a CPU it shares with the target,
+    every message costs both processes a wake-up). They wait at most `APPENDS_MAX_OPS` ops and `APPENDS_MAX_S`
+    seconds: the bound on this queue, and a message often enough that the replica's idle watch (`idle_timeout_s`,
+    300 s by default) never takes a busy stream for an idle one."""
+
+    APPENDS_MAX_OPS = 64
+    APPENDS_MAX_S = 10.0
 
     def __init__(self, replica: DraftReplica):
         self.replica = replica
         self.stream = _MuxStream(replica.stub)
         self.sessions: set[str] = set()
         self.ops: list[spec_pb.SessionOp] = []
+        self.urgent = False  # `ops` holds more than appends: send them with this step
+        self.appends_since: float | None = None  # time.monotonic() when the oldest waiting append was queued
         self.teacher_top_k = 0  # > 0 once the replica said it adapts online (DraftStep.teacher_top_k)
         self.owed_prefill = 0  # prompt tokens sent with `prefill` whose reply has not been read yet
 
+    def queue(self, op: spec_pb.SessionOp, append_only: bool = False) -> None:
+        """Queue an op for the next message; `append_only`: an outcome of a step its session did not draft."""
+        self.ops.append(op)
+        if not append_only:
+            self.urgent = True
+        elif self.appends_since is None:
+            self.appends_since = time.monotonic()
+
+    def due(self) -> bool:
+        """Whether the queued ops must go out with this step even if no work does."""
+        return self.urgent or len(self.ops) >= self.APPENDS_MAX_OPS or (
+            self.appends_since is not None and time.monotonic() - self.appends_since >= self.APPENDS_MAX_S)
+
     def take_ops(self) -> list[spec_pb.SessionOp]:
         ops, self.ops = self.ops, []
+        self.urgent, self.appends_since = False, None
         return ops
 
 
@@ -188,7 +214,7 @@ class RemoteMuxDrafter:
         self._feedback_seconds[key] = 0.0
         self._home[key] = link
         link.sessions.add(key)
-        link.ops.append(session_op_to_proto(key, "start", request))
+        link.queue(session_op_to_proto(key, "start", request))
 
     def prefill(self, prefills: dict[str, int]) -> dict[str, Exception]:
         """Catch-up work alone (no tree this step): sent now, not waited for. The replica prefills while the target
@@ -226,7 +252,7 @@ class RemoteMuxDrafter:
         for key, n in prefills.items():
             if key not in requests:
                 work.setdefault(self._home[key], []).append(spec_pb.DraftWork(session_id=key, prefill_tokens=n))
-        sent = [link for link in self._links.values() if link in work or link.ops]
+        sent = [link for link in self._links.values() if link in work or (link.ops and link.due())]
         prefill_tokens = {link: sum(w.prefill_tokens for w in work.get(link, [])) for link in sent}
         start = time.monotonic()
         with self.profile.span("draft.encode"):
@@ -265,7 +291,7 @@ class RemoteMuxDrafter:
                                      teacher=teacher)
             if teacher is not None:
                 stats.teacher_signal_bytes += op.outcome.teacher.ByteSize()  # what the frame carries for it
-            link.ops.append(op)
+            link.queue(op, append_only=key not in self._drafted)
 
     def _candidates(self, steps: dict[str, tuple[VerifiedStep, SpecStats]]) -> dict[str, dict[int, float]]:
         """Misses and buffer candidates of the sessions that drafted with a restricted A, all at once; the time is
@@ -282,11 +308,11 @@ class RemoteMuxDrafter:
         return {key: fb.candidates for key, fb in zip(keys, feedbacks)}
 
     def flush(self) -> None:
-        """Send the step's outcomes and closes now (the replicas commit them while the target goes on). Stream
-        errors surface at the next exchange."""
+        """Send the step's outcomes and closes now (the replicas commit them while the target goes on); appends alone
+        wait for a later message (`_Link`). Stream errors surface at the next exchange."""
         self._drafted = set()
         for link in self._links.values():
-            if link.ops:
+            if link.ops and link.due():
                 link.stream.send(spec_pb.TargetStep(ops=link.take_ops()))
 
     def close(self, key: str) -> None:
@@ -294,7 +320,7 @@ class RemoteMuxDrafter:
         link = self._home.pop(key, None)
         if link is not None:
             link.sessions.discard(key)
-            link.ops.append(session_op_to_proto(key, "close"))
+            link.queue(session_op_to_proto(key, "close"))
         for table in (self._wants_candidates, self._stats, self._feedback_seconds, self._errors):
             table.pop(key, None)
 

@@ -687,3 +687,52 @@ def test_deferred_catch_up_over_the_stream_overlaps_the_target_and_stays_lossles
     assert isinstance(sink.end, Finished) and sink.tokens == ar_tokens(local, prompt, 24)
     assert sum(n for sent in sends for n in sent.values()) == len(prompt) - 1 and len(sends) == 4
     assert handle.stats.drafted > 0 and handle.stats.fallback_steps == 0
+
+
+class DraftsEveryFourthStep(RandomDepth):
+    """A budget that drafts (depth 2) one step in four and runs the others target-only."""
+
+    def __init__(self):
+        super().__init__(seed=0)
+        self.calls = 0
+
+    def choose(self, requests, prefill_tokens: int, source: str = "draft") -> int:
+        self.calls += 1
+        return 2 if self.calls % 4 == 0 else 0
+
+
+@pytest.mark.parametrize("max_ops", [64, 3], ids=["appends-wait-for-a-tree", "appends-bounded"])
+def test_steps_without_a_tree_send_the_draft_no_message(monkeypatch, max_ops):
+    """Steps a session does not draft send nothing of their own: their appends wait for the next message (a tree's
+    work, a close), at most `_Link.APPENDS_MAX_OPS` of them. The draft, here the target itself, still has every
+    token before it drafts: each of its greedy chains is accepted whole, and the output is ar's."""
+    from evospec.services.target import remote_draft
+    target, _ = random_pair(vocab=VOCAB, seed=9, eos=1)
+    draft_server = DraftServer(DraftEngine(target), VocabPolicies(target.head_weight, STATIC), "sha")
+    grpc_server, port = start_draft_server(draft_server, "127.0.0.1")
+    pool = pool_for(f"127.0.0.1:{port}")
+    sent = []
+    real_send = remote_draft._MuxStream.send
+    monkeypatch.setattr(remote_draft._MuxStream, "send", lambda self, msg: sent.append(msg) or real_send(self, msg))
+    monkeypatch.setattr(remote_draft._Link, "APPENDS_MAX_OPS", max_ops)
+    remote_only = SpeculativeDecoder(target, None, static_ids=STATIC)
+    config = SchedulerConfig(kv_tokens=4096, draft_prefill="with_target", lookup_fallback=False)
+    scheduler = Scheduler(remote_only, config, mux_drafter(remote_only, pool), budget=DraftsEveryFourthStep())
+    prompt, sink = [(7 * j) % (VOCAB - 2) + 2 for j in range(12)], TimedSink()
+    spec = SpecParams(method="sd", tree=TreeParams(shape="chain", num_draft_tokens=2))
+    try:
+        handle = scheduler.submit(prompt, SamplingParams(max_tokens=40, ignore_eos=True), spec, sink)
+        scheduler.run_until_idle()
+    finally:
+        pool.close()
+        grpc_server.stop(grace=None)
+    local = SpeculativeDecoder(target, target, static_ids=STATIC)
+    assert isinstance(sink.end, Finished) and sink.tokens == ar_tokens(local, prompt, 40)
+    stats = handle.stats
+    assert stats.drafted > 0 and stats.accepted == stats.drafted and stats.fallback_steps == 0
+    outcomes = [len(msg.ops) for msg in sent]
+    assert sum(outcomes) >= stats.steps  # every step's outcome reached the draft ...
+    trees = stats.drafted // 2
+    # ... in two messages per tree (its work, its outcome), the start and the close, not one per step
+    assert len(sent) <= 2 * trees + 2 + stats.steps // max_ops < stats.steps
+    assert max(outcomes) <= min(max_ops, 4) + 1
