@@ -46,6 +46,7 @@ class RequestResult:
     finish_reason: str = ""
     error: str = ""
     stats: dict = field(default_factory=dict)
+    text: str = ""  # the answer as streamed (scored by `evospec bench humaneval`)
 
     @property
     def tpot(self) -> float:
@@ -67,6 +68,7 @@ async def one_request(client: AsyncEvoSpecClient, req: LoadRequest, spec: dict, 
                     result.itl.append(now - last)
                 last = now
                 result.output_tokens += len(delta.token_ids)
+            result.text += delta.text
             if delta.finish_reason:
                 result.finish_reason, result.stats = delta.finish_reason, delta.stats
         result.e2el = time.perf_counter() - start
@@ -92,6 +94,7 @@ async def one_openai_request(client, req: LoadRequest, spec: dict, timeout: floa
             now = time.perf_counter()
             choice = chunk.choices[0] if chunk.choices else None
             if choice is not None and choice.delta.content:
+                result.text += choice.delta.content
                 if result.ttft == 0.0:
                     result.ttft = now - start
                 else:

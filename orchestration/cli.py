@@ -279,7 +279,7 @@ def cmd_vocab(args) -> int:
 
 
 BENCH_SUITES = ("v1", "grid", "misses", "adapt", "random", "decoupled", "real", "concurrency", "fronts",
-                "service", "peers", "formats", "identity", "lookup")
+                "service", "peers", "formats", "identity", "lookup", "humaneval")
 
 
 def own_main(argv: list[str]) -> Callable[[list[str]], int | None] | None:
@@ -315,6 +315,8 @@ def own_main(argv: list[str]) -> Callable[[list[str]], int | None] | None:
             from evospec.bench.identity import main
         case ["bench", "lookup"]:
             from evospec.bench.lookup import main
+        case ["bench", "humaneval"]:
+            from evospec.bench.humaneval import main
         case ["loadtest", *_]:
             from evospec.loadtest.run import main
         case ["loadtest-sweep", *_]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import logging
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ import numpy as np
 
 from evospec.config import SpecParams, TreeParams, clipped_size, traits
 from evospec.model.qwen3 import Qwen3, forward_seconds
+
+log = logging.getLogger(__name__)
 
 
 class OnlineCost:
@@ -238,6 +241,7 @@ class SpeculationBudget:
         self.explore_every = explore_every  # after this many steps without a draft, draft once to re-measure
         self._exploring: dict[str, list[int]] = {}  # source -> [steps without a draft, steps to wait before one]
         self._goodput: dict[tuple, GoodputMeter] = {}  # (kinds, batch-size bucket, drafted) -> tokens/s
+        self._vetoed: dict[tuple, bool] = {}  # (source, kinds, batch-size bucket) -> the safety net's last word
         self._draft_prefill = GoodputMeter()  # context tokens a draft prefills per second (catch-up's price)
         self._answer_lengths: collections.deque[int] = collections.deque(maxlen=32)  # recent natural ends
 
@@ -351,6 +355,19 @@ class SpeculationBudget:
             return False
         return drafted.rate < (1 - GoodputMeter.noise_margin) * plain.rate
 
+    def _log_safety_net(self, source: str, kinds: frozenset, sessions: int, vetoed: bool) -> None:
+        """Say when the safety net starts or stops overriding the model for a source and batch size, with what it
+        measured (a user wondering why a draft stopped drafting finds it in the target's log)."""
+        key = (source, kinds, sessions.bit_length())
+        if self._vetoed.get(key, False) == vetoed:
+            return
+        self._vetoed[key] = vetoed
+        plain = self._goodput.get((kinds, sessions.bit_length(), False))
+        drafted = self._goodput.get((kinds, sessions.bit_length(), True))
+        log.info("safety net: %s %s at %d speculative requests (measured %.1f tok/s drafting over %d steps, %.1f "
+                 "plain over %d)", "stops" if vetoed else "lets", source, sessions, drafted.rate if drafted else 0.0,
+                 drafted.steps if drafted else 0, plain.rate if plain else 0.0, plain.steps if plain else 0)
+
     def learning(self, kind: tuple) -> bool:
         """Whether the kind has fewer than `learn_trees` verified trees: its acceptance is not measured yet."""
         trees = self.acceptance.get(kind, Acceptance()).reached[:1]
@@ -379,7 +396,10 @@ class SpeculationBudget:
             goodput = committed / max(seconds, 1e-9)
             if goodput > best * 1.0001:  # ties go to the shallower depth
                 best_k, best = k, goodput
-        vetoed = bool(best_k) and self._measured_worse(frozenset(kind for _, _, kind in requests), len(requests))
+        kinds = frozenset(kind for _, _, kind in requests)
+        vetoed = bool(best_k) and self._measured_worse(kinds, len(requests))
+        if best_k:
+            self._log_safety_net(source, kinds, len(requests), vetoed)
         if vetoed:
             best_k = 0  # whatever the model predicts, speculation must not cost throughput
         if best_k == 0 and max_depth > 0:
