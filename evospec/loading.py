@@ -16,9 +16,10 @@ import torch
 
 from evospec.config import AdaptConfig, ModelConfig
 from evospec.engine.generate import SpeculativeDecoder
+from evospec.cache import cache_dir
 from evospec.model import Qwen3, load_qwen3
-from evospec.model.weight_formats import apply_weight_format
-from evospec.model.qwen3 import calibrate_single_token_padding
+from evospec.model.qwen3 import calibrate_single_token_padding, read_config
+from evospec.model.weight_formats import FormatChoices, apply_weight_format, auto_format, gguf_block_weights
 from evospec.modelstore.catalog import TINY, get_pair
 from evospec.tokenizer import load_tokenizer
 from evospec.vocab.retrieval import CoocIndex
@@ -167,15 +168,30 @@ def load_model(cfg: ModelConfig, role: str) -> tuple[Qwen3, Path]:
 def load_qwen3_folder(folder: Path, dtype: str = "auto", device: str = "auto", quantize: str = "none",
                       embedded: bool = False, verifies: bool = True) -> Qwen3:
     """Load a model folder in `dtype`, put it in weight format `quantize` (model/weight_formats.py; `auto` measured
-    here) and calibrate single-token padding for the format it runs in."""
+    here, or remembered from an earlier measurement on this machine) and calibrate single-token padding for the
+    format it runs in. The format is known before the weights are read: under `gguf` the projections come from the
+    source GGUF's blocks, so their dense copies are never read."""
     dev = resolve_device(device)
+    load_dtype = resolve_dtype(dtype, dev)
+    fmt, measured = quantize, {}
+    if quantize == "auto":
+        fmt, measured = auto_format(read_config(folder), load_dtype, folder, dev, embedded, verifies,
+                                    format_choices())
     # int8 (fbgemm) runs float32 models only; gguf's kernels and native step compute in float32 (kernels/fused_step.py)
-    float32 = quantize == "int8" or (quantize == "gguf" and dtype == "auto")
-    model = load_qwen3(folder, dev, resolve_dtype("float32" if float32 else dtype, dev))
-    model = apply_weight_format(model, quantize, folder, embedded=embedded, verifies=verifies,
+    if fmt == "int8" or (fmt == "gguf" and dtype == "auto"):
+        load_dtype = torch.float32
+    model = load_qwen3(folder, dev, load_dtype, skip=gguf_block_weights(folder) if fmt == "gguf" else ())
+    model = apply_weight_format(model, fmt, folder, embedded=embedded, verifies=verifies,
                                 dtype_auto=dtype == "auto")
+    model.weight_format_seconds = measured
     calibrate_single_token_padding(model)
     return model
+
+
+def format_choices() -> FormatChoices:
+    """Where `auto` weight formats measured on this machine are remembered (model/weight_formats.py)."""
+    return FormatChoices(cache_dir() / "measured" / "weight-formats.json",
+                         {"cpu": cpu_description(), "flags": sorted(cpu_flags())})
 
 
 def stop_token_ids(folder: Path) -> tuple[int, ...]:

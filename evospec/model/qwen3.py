@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors import safe_open
 from torch import nn
 
 from evospec.kernels.fused_step import FusedStep
@@ -425,14 +426,21 @@ class Qwen3(nn.Module):
         return head_product(hidden, self.head_weight).float()
 
 
-def load_qwen3(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Qwen3:
-    """Load a Hugging Face Qwen3 or Qwen2 folder (config.json + one or more *.safetensors)."""
-    folder = Path(folder)
-    config_path = folder / "config.json"
+def read_config(folder: str | Path) -> Qwen3Config:
+    """The model's configuration from a Hugging Face folder's config.json (no weights read)."""
+    config_path = Path(folder) / "config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"{folder} is not a Hugging Face model folder: config.json missing")
-    hf_cfg = json.loads(config_path.read_text())
-    cfg = Qwen3Config.from_hf_dict(hf_cfg)
+    return Qwen3Config.from_hf_dict(json.loads(config_path.read_text()))
+
+
+def load_qwen3(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+               skip: Collection[str] = ()) -> Qwen3:
+    """Load a Hugging Face Qwen3 or Qwen2 folder (config.json + one or more *.safetensors). skip: parameter names
+    ("layers.3.mlp.down_proj.weight") not read: they stay on the meta device for a weight format to replace (the
+    projections `gguf` takes from the source GGUF's own blocks), so their dense copies cost neither time nor memory."""
+    folder = Path(folder)
+    cfg = read_config(folder)
     if dtype is None:
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     with torch.device("meta"):
@@ -441,16 +449,19 @@ def load_qwen3(folder: str | Path, device: str | torch.device = "cpu", dtype: to
     shards = sorted(folder.glob("*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"no *.safetensors in {folder}")
+    skip = set(skip)
     for shard in shards:
-        for name, tensor in load_file(str(shard), device=str(device)).items():
-            key = name.removeprefix("model.")
-            if key == "lm_head.weight" and cfg.tie_word_embeddings:
-                continue
-            state[key] = tensor.to(dtype)
-    missing = set(model.state_dict()) - set(state)
-    if missing:
-        raise ValueError(f"{folder}: weights missing for {sorted(missing)[:5]}...")
-    model.load_state_dict(state, assign=True, strict=True)
+        with safe_open(str(shard), framework="pt", device=str(device)) as tensors:
+            for name in tensors.keys():  # noqa: SIM118 - safe_open's handle is no mapping
+                key = name.removeprefix("model.")
+                if (key == "lm_head.weight" and cfg.tie_word_embeddings) or key in skip:
+                    continue
+                state[key] = tensors.get_tensor(name).to(dtype)
+    expected = set(model.state_dict())
+    missing, unexpected = expected - set(state) - skip, set(state) - expected
+    if missing or unexpected:
+        raise ValueError(f"{folder}: weights missing for {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    model.load_state_dict(state, assign=True, strict=False)
     return model.eval().requires_grad_(False)
 
 

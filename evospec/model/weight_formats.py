@@ -17,8 +17,10 @@ Formats (docs/models.md, "Weight formats"; quality per format: docs/results.md, 
   and a C compiler): the weights and the numerics llama.cpp runs, row-invariant. A model without a GGUF source is
   rounded as llama.cpp's Q4_K_M would round it: Q4_K (Q5_0 where the width is not a multiple of 256), head Q6_K.
 - `auto`: on a CUDA device, `none`; on a CPU, the fastest of the row-invariant formats on this machine, measured at
-  load on the model's own projection shapes and LM head (random weights, fused as a target runs them; a few
-  seconds), `gguf` where it is within SOURCE_BITS_TIE of the fastest.
+  load on the model's own projection shapes and LM head (random weights, fused as a target runs them; 10-20
+  seconds on 2 cores), `gguf` where it is within SOURCE_BITS_TIE of the fastest. The answer is remembered per
+  machine (`FormatChoices`: CPU model and flags, torch version and threads, the model's shapes, this code), so later
+  start-ups on the same machine skip the measurement; a different machine, model or kernel measures again.
   `int4-weight-only` and `gguf` are candidates only when the model was converted from a 4-bit GGUF (its
   `provenance.json`), so `auto` never serves a model below the precision it was published in. The embedded tiny pair stays `none` (the
   float32 reference). Where dense weights time faster than every weight-only format (slow weight-only kernels in
@@ -31,8 +33,11 @@ a verify forward's logits bitwise equal to the 1-token decode forwards', so gree
 """
 from __future__ import annotations
 
+import datetime
+import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,8 +49,18 @@ from torch import nn
 from evospec.kernels import kquant
 from evospec.kernels.fused_step import FusedStep
 from evospec.kernels.kquant import (
-    KQuantLinear, KQuantUnavailable, KQuantWeight, concatenated, q4k_from_dense, q4k_from_gguf, q5_0_from_dense,
-    q5_0_from_gguf, q6k_from_dense, q6k_from_gguf, q8_0_from_dense, q8_0_from_gguf,
+    KQuantLinear,
+    KQuantUnavailable,
+    KQuantWeight,
+    concatenated,
+    q4k_from_dense,
+    q4k_from_gguf,
+    q5_0_from_dense,
+    q5_0_from_gguf,
+    q6k_from_dense,
+    q6k_from_gguf,
+    q8_0_from_dense,
+    q8_0_from_gguf,
 )
 from evospec.kernels.linear import linear
 from evospec.kernels.quantized import Int8PerTokenLinear, Int8WeightLinear, quantized_linear
@@ -126,14 +141,16 @@ def gguf_types(gguf: Path) -> dict[str, str]:
     return {name: entry["type"] for name, entry in gguf_index(gguf).items()}
 
 
+GGUF_BLOCK_TYPES = {"Q4_K": q4k_from_gguf, "Q6_K": q6k_from_gguf, "Q5_0": q5_0_from_gguf, "Q8_0": q8_0_from_gguf}
+
+
 def gguf_blocks(gguf: Path) -> dict[str, KQuantWeight]:
     """{our module name: its weight as the GGUF stores it} for the Q4_K, Q6_K, Q5_0 and Q8_0 projections and head
     (the others, if any, are re-quantized from the dense weights by quantize_gguf)."""
     data = np.memmap(gguf, dtype=np.uint8, mode="r")
     blocks = {}
     for name, entry in gguf_index(gguf).items():
-        unpack = {"Q4_K": q4k_from_gguf, "Q6_K": q6k_from_gguf, "Q5_0": q5_0_from_gguf,
-                  "Q8_0": q8_0_from_gguf}.get(entry["type"])
+        unpack = GGUF_BLOCK_TYPES.get(entry["type"])
         if unpack is not None:
             blocks[name] = unpack(data[entry["offset"]:entry["offset"] + entry["bytes"]], entry["rows"])
     return blocks
@@ -376,6 +393,89 @@ def choose_format(cfg: Qwen3Config, dtype: torch.dtype, four_bit_source: bool,
     return best, seconds
 
 
+class FormatChoices:
+    """`auto`'s answers measured on this machine, kept in one JSON file (at most MAX_ENTRIES, the oldest dropped):
+    each under a key that hashes what the timing depended on (the machine description given, torch's version and
+    threads, the question asked: the model's shapes, dtype, source bits and fusing, and this module's and the
+    kernels' source). Delete the file, or set EVOSPEC_MEASURE_FORMATS=1, to measure again."""
+
+    MAX_ENTRIES = 64
+    REMEASURE_ENV = "EVOSPEC_MEASURE_FORMATS"
+
+    def __init__(self, path: Path, machine: dict):
+        self.path, self.machine = path, machine
+
+    def key(self, question: dict) -> str:
+        code = [Path(__file__), Path(kquant.__file__), Path(kquant.__file__).with_suffix(".c")]
+        sources = hashlib.sha256(b"".join(f.read_bytes() for f in code if f.exists())).hexdigest()
+        what = {"machine": self.machine, "torch": torch.__version__, "threads": torch.get_num_threads(),
+                "question": question, "code": sources}
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
+
+    def _entries(self) -> dict:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):  # none yet, or unreadable: measure (and write it anew)
+            return {}
+
+    def get(self, question: dict) -> dict | None:
+        if os.environ.get(self.REMEASURE_ENV) == "1":
+            return None
+        return self._entries().get(self.key(question))
+
+    def put(self, question: dict, fmt: str, seconds: dict[str, float]) -> None:
+        entries = self._entries()
+        entries[self.key(question)] = {"format": fmt, "seconds": seconds, "machine": self.machine,
+                                       "measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+        entries = dict(list(entries.items())[-self.MAX_ENTRIES:])
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+            partial.write_text(json.dumps(entries, indent=1))
+            partial.replace(self.path)  # atomic: two replicas starting together never read half a file
+        except OSError as exc:  # a read-only cache: measure again next time
+            log.warning("could not remember the weight format choice in %s: %s", self.path, exc)
+
+
+def auto_format(cfg: Qwen3Config, dtype: torch.dtype, folder: Path | None, device: torch.device,
+                embedded: bool = False, verifies: bool = True,
+                choices: FormatChoices | None = None) -> tuple[str, dict[str, float]]:
+    """`auto` resolved for a model of `cfg` computing in `dtype` (module docstring): `none` on a GPU and for the
+    embedded tiny pair; on a CPU `choose_format`'s answer, from `choices` when this machine already measured it.
+    Returns the format and the seconds measured per candidate (logged)."""
+    if device.type != "cpu" or embedded:
+        return "none", {}
+    kept = higher_precision_modules(folder)
+    six_bit_down = sum(name.endswith("mlp.down_proj") for name in kept) / cfg.num_hidden_layers
+    four_bit = is_four_bit_source(folder)
+    question = {"dims": [cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+                         cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size], "dtype": str(dtype),
+                "four_bit_source": four_bit, "fused": verifies, "six_bit_down": six_bit_down,
+                "kquant": kquant.available()}
+    known = choices.get(question) if choices is not None else None
+    if known is not None:
+        log.info("weight format auto -> %s (measured on this machine at %s, remembered in %s; delete it to measure "
+                 "again: %s)", known["format"], known["measured_at"], choices.path, known["seconds"])
+        return known["format"], known["seconds"]
+    fmt, measured = choose_format(cfg, dtype, four_bit, fused=verifies, six_bit_down=six_bit_down)
+    measured = {k: round(v, 4) for k, v in measured.items()}
+    log.info("weight format auto -> %s (seconds of the projections and head per decode + 4-row verify, measured "
+             "here: %s)", fmt, measured)
+    if choices is not None:
+        choices.put(question, fmt, measured)
+    return fmt, measured
+
+
+def gguf_block_weights(folder: Path | None) -> set[str]:
+    """Parameter names ("layers.3.mlp.down_proj.weight") whose weights `gguf` takes from the source GGUF's own
+    blocks: a loader need not read their dense copies (load_qwen3's `skip`). Empty without a GGUF source."""
+    gguf = source_gguf(folder) if folder is not None else None
+    if gguf is None:
+        return set()
+    return {f"{name}.weight" for name, kind in gguf_types(gguf).items()
+            if name != "lm_head" and kind in GGUF_BLOCK_TYPES}
+
+
 def apply_weight_format(model: Qwen3, fmt: str, folder: Path | None, embedded: bool = False,
                         verifies: bool = True, dtype_auto: bool = False) -> Qwen3:
     """Load-time step: put `model` (dense, loaded in its dtype) into format `fmt` ("auto" resolved here).
@@ -387,16 +487,7 @@ def apply_weight_format(model: Qwen3, fmt: str, folder: Path | None, embedded: b
     device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
     measured: dict[str, float] = {}
     if fmt == "auto":
-        if device.type != "cpu" or embedded:
-            fmt = "none"
-        else:
-            kept = higher_precision_modules(folder)
-            six_bit_down = sum(name.endswith("mlp.down_proj") for name in kept) / model.cfg.num_hidden_layers
-            fmt, measured = choose_format(model.cfg, dtype, is_four_bit_source(folder), fused=verifies,
-                                          six_bit_down=six_bit_down)
-            log.info("weight format auto -> %s (seconds of the projections and head per decode + 4-row verify, "
-                     "measured here: %s)",
-                     fmt, {k: round(v, 4) for k, v in measured.items()})
+        fmt, measured = auto_format(model.cfg, dtype, folder, device, embedded, verifies)
     check_runs_here(fmt, device, dtype)
     model.weight_format_seconds = measured
     if fmt == "int8":
