@@ -14,9 +14,9 @@ from typing import TypeVar
 
 import torch
 
+from evospec.cache import cache_dir
 from evospec.config import AdaptConfig, ModelConfig
 from evospec.engine.generate import SpeculativeDecoder
-from evospec.cache import cache_dir
 from evospec.model import Qwen3, load_qwen3
 from evospec.model.qwen3 import calibrate_single_token_padding, read_config
 from evospec.model.weight_formats import FormatChoices, apply_weight_format, auto_format, gguf_block_weights
