@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,10 +54,13 @@ from evospec.bench.peers import (
     drive,
     ensure_llama_cpp,
     gguf_files,
+    llama_settings,
+    require_at_least_one,
     start_llama_arm,
     start_service_arms,
 )
 from evospec.bench.service import DEFAULT_CONFIG, WARMUP, environment, progress
+from evospec.config import Quantize
 from evospec.loadtest.datasets import LoadRequest
 from evospec.loadtest.run import RequestResult
 
@@ -215,7 +219,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=DEFAULT_CONFIG, help=f"our service's YAML (default {DEFAULT_CONFIG})")
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
-    ap.add_argument("--formats", nargs="+", default=["auto"],
+    ap.add_argument("--formats", nargs="+", default=["auto"], choices=typing.get_args(Quantize),
                     help="target weight formats of our service, one service each (default: auto, as shipped)")
     ap.add_argument("--problems", type=int, default=20, help="HumanEval problems, spread over the 164 (default 20)")
     ap.add_argument("--max-tokens", type=int, default=384)
@@ -225,10 +229,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--num-cpus", type=int, default=4, help="CPUs of the local Ray cluster (as `evospec serve`)")
     ap.add_argument("--out", type=Path, default=Path("results/bench_humaneval"))
     args = ap.parse_args(argv)
-    for name in ("problems", "max_tokens", "threads"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    require_at_least_one(ap, args, ("problems", "max_tokens", "threads"))
     if args.test_timeout <= 0:
         ap.error("--test-timeout must be positive")
     args.draft_max, args.ctx = None, None  # what start_llama_arm reads besides threads (the peer runs plain)
@@ -242,8 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = AppConfig.from_yaml(args.config)
         configs = {fmt: service_config(cfg, fmt) for fmt in args.formats}
-        args.threads = args.threads or cfg.target.model.torch_threads or os.cpu_count() or 1
-        args.ctx = cfg.target.max_model_len
+        llama_settings(args, cfg)
         llama = ensure_llama_cpp(SDIST_VERSION) if "llama.cpp" in args.arms else None
         ggufs = gguf_files(cfg) if llama else None
         problems = load_problems(args.problems)

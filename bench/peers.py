@@ -585,11 +585,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "included (default: one server at a time)")
     ap.add_argument("--out", type=Path, default=Path("results/bench_peers"))
     args = ap.parse_args(argv)
-    for name in ("requests", "max_tokens", "threads", "draft_max", "jobs"):
+    require_at_least_one(ap, args, ("requests", "max_tokens", "threads", "draft_max", "jobs"))
+    return args
+
+
+def require_at_least_one(ap: argparse.ArgumentParser, args: argparse.Namespace, names: tuple[str, ...]) -> None:
+    """An option given below 1 is a usage error naming it (argparse's exit 2)."""
+    for name in names:
         value = getattr(args, name)
         if value is not None and value < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
-    return args
+
+
+def llama_settings(args: argparse.Namespace, cfg) -> None:
+    """llama.cpp's threads (default: the YAML's target torch_threads, else the machine's CPUs) and context (the
+    YAML's max_model_len), as our service runs."""
+    args.threads = args.threads or cfg.target.model.torch_threads or os.cpu_count() or 1
+    args.ctx = cfg.target.max_model_len
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -598,8 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         cfg = AppConfig.from_yaml(args.config)
-        args.threads = args.threads or cfg.target.model.torch_threads or os.cpu_count() or 1
-        args.ctx = cfg.target.max_model_len
+        llama_settings(args, cfg)
         llama_arms = [a for a in LLAMA_ARMS if a in args.arms]
         ggufs = gguf_files(cfg) if llama_arms else None
         llama = ensure_llama_cpp(args.llama_cpp_version, jobs=args.jobs) if llama_arms else None
