@@ -322,20 +322,23 @@ class SpeculationBudget:
                     lookup_depth: int = 0) -> None:
         """One engine step: its target forward over `tokens`, and, when it drafted (`depth` levels of the draft
         model's trees, `lookup_depth` of prompt-lookup chains; `drafting` = {kind: (sessions, rows per level)}), the
-        draft side's seconds (trees and feedback). Drafting is charged everything it added: its own time plus what
-        the target took beyond its cost alone (on a shared CPU the draft's weights push the target's out of the
-        caches). A step of several kinds shares it by sessions."""
+        draft side's seconds (trees and feedback). A draft model is charged everything it added: its own time plus
+        what the target took beyond its cost alone (on a shared CPU the draft's weights push the target's out of the
+        caches). Prompt lookup has no weights to push anything out: its chains are charged their own time, and the
+        target's forward in a step with chains alone is the target's cost, so it teaches the cost table (whose level
+        follows the context), not lookup: charged to lookup, the longer attention of a batch of long prompts priced
+        chains out of every later request, short ones included, and nothing re-measured it. A step of several kinds
+        shares the draft side's seconds by sessions."""
         depths = {kind: lookup_depth if kind == LOOKUP_KIND else depth for kind in drafting or {}}
         drafted = {kind: rows for kind, rows in (drafting or {}).items() if depths[kind]}
-        if not drafted:
+        if not any(kind != LOOKUP_KIND for kind in drafted):
             self.target_cost.update(tokens, target_seconds)
-            return
         excess = max(0.0, target_seconds - self.target_cost(tokens))
         total_sessions = sum(n for n, _ in drafted.values())
         for kind, (sessions, rows) in drafted.items():
             share = sessions / total_sessions
-            self.draft_cost(kind).update(draft_features(depths[kind], sessions, rows),
-                                         share * (draft_seconds + excess))
+            charged = share * draft_seconds + (share * excess if kind != LOOKUP_KIND else 0.0)
+            self.draft_cost(kind).update(draft_features(depths[kind], sessions, rows), charged)
 
     def record_goodput(self, kinds: frozenset, sessions: int, drafted: bool, committed: int, seconds: float) -> None:
         """A whole step's outcome: `committed` tokens over `sessions` speculative sessions of `kinds` in `seconds`.

@@ -187,8 +187,8 @@ def test_the_sizing_replay_walks_an_answer_as_the_scheduler_would():
 
 def test_a_step_that_also_prefilled_teaches_drafting_nothing():
     """A forward over a prompt chunk and a lookup chain took longer than the cost table says (its error at prefill
-    sizes): that excess is not the chain's, so the kind's learnt cost stays a probe and lookup keeps drafting. The
-    same excess in a step of decoding alone is charged to drafting (the rows really cost it)."""
+    sizes): that excess is not the chain's, so the kind's learnt cost stays a probe and lookup keeps drafting. In a
+    step of decoding alone the same forward teaches the target's cost table, not lookup (no weights of its own)."""
     target_cost = TokenCostTable()
     for tokens in range(1, 9):
         target_cost.calibrate(tokens, 0.060 + 0.020 * (tokens - 1))
@@ -206,7 +206,33 @@ def test_a_step_that_also_prefilled_teaches_drafting_nothing():
     assert (budget.draft_cost(kind).weights == before).all()
     assert budget.choose([(chain, Acceptance(), kind)], 0) >= 1
     budget.record_step_outcome(outcome(prefilled=False))
-    assert budget.draft_cost(kind)(draft_features(4, 1, 1)) > 10 * LOOKUP_SECONDS_PER_SESSION
+    assert budget.draft_cost(kind)(draft_features(4, 1, 1)) < 2 * LOOKUP_SECONDS_PER_SESSION
+    assert budget.target_cost(256 + 5) == pytest.approx(6.0)
+
+
+def test_long_prompts_chained_at_c4_do_not_price_chains_out_of_a_short_request():
+    """Chains verified beside three long-context requests took twice what the cost table (calibrated over a short
+    context) says. That is the target's attention over long contexts, not lookup's: later, one short request with
+    chains that pass still gets them (charged to lookup, the excess priced chains out of every later request, and
+    nothing re-measured it)."""
+    target_cost = TokenCostTable()
+    for tokens in range(1, 33):
+        target_cost.calibrate(tokens, 0.060 + 0.020 * (tokens - 1))
+    budget = SpeculationBudget(target_cost, OnlineCost(4), explore_every=10**6)
+    kind, chain = draft_kind(SpecParams(method="lookup")), TreeParams(shape="chain", num_draft_tokens=4)
+    for _ in range(200):  # c = 4, long contexts: every forward twice the table, a chain of 4 on one request
+        budget.record_step_outcome(StepOutcome(
+            depth=0, lookup_depth=4, trees=[(kind, chain)], drafting=[kind] * 4, prefilled=False,
+            draft_prefilled=False, draft_failed=False, tokens=4 + 4,
+            target_seconds=2 * target_cost(8), draft_seconds=1e-4, committed=4))
+    for _ in range(20):  # c = 1, a short context: plain steps at the table's start-up price
+        budget.record_step_outcome(StepOutcome(
+            depth=0, lookup_depth=0, trees=[], drafting=[kind], prefilled=False, draft_prefilled=False,
+            draft_failed=False, tokens=1, target_seconds=0.060, draft_seconds=1e-4, committed=1))
+    passing = Acceptance()
+    for _ in range(20):
+        passing.record(4, 4)
+    assert budget.choose([(chain, passing, kind)], 0, source="lookup") == 4
 
 
 @pytest.mark.parametrize("fallback", [True, False], ids=["fallback", "no-fallback"])
