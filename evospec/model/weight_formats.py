@@ -458,7 +458,7 @@ def auto_format(cfg: Qwen3Config, dtype: torch.dtype, folder: Path | None, devic
                  "again: %s)", known["format"], known["measured_at"], choices.path, known["seconds"])
         return known["format"], known["seconds"]
     fmt, measured = choose_format(cfg, dtype, four_bit, fused=verifies, six_bit_down=six_bit_down)
-    measured = {k: round(v, 4) for k, v in measured.items()}
+    measured = {k: float(f"{v:.4g}") for k, v in measured.items()}  # 4 significant digits: a tiny model's ms stay apart
     log.info("weight format auto -> %s (seconds of the projections and head per decode + 4-row verify, measured "
              "here: %s)", fmt, measured)
     if choices is not None:
