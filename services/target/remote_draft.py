@@ -8,10 +8,11 @@ tree used.
 """
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import grpc
 import torch
@@ -174,7 +175,13 @@ class RemoteMuxDrafter:
     A replica that breaks its stream, or whose reply misses the step deadline, is marked failed (DraftReplicas probes
     it before it takes sessions again) and only its sessions get an error: the scheduler runs them target-only and
     later resumes them on a healthy replica. Outcomes of a step are sent at its end (`flush`) without waiting, and
-    read back with the next step's trees."""
+    read back with the next step's trees.
+
+    A session starts on its replica with the first work it is given (a tree or a catch-up), over its context at that
+    moment (the prompt and the tokens committed since, as a resumed session starts): until then the target only
+    keeps its context here, so a request the budget never drafts for (on a CPU, most of them) costs the draft
+    replica no start (its vocabulary fill and KV allocation, which ran during the target's prefill on the cores the
+    two share), no appends and no close."""
 
     def __init__(self, replicas: DraftReplicas, layout_of: Callable[[SpecParams], ActiveLayout], vocab_size: int,
                  static_vocab_sha: str, device: torch.device | str = "cpu", overlap_prefill: bool | None = None):
@@ -193,6 +200,7 @@ class RemoteMuxDrafter:
         self._drafted: set[str] = set()
         self._links: dict[str, _Link] = {}  # replica address -> live stream
         self._home: dict[str, _Link] = {}  # session key -> the link holding it
+        self._unstarted: dict[str, DraftRequest] = {}  # opened here, not yet on its replica: the context so far
         self.profile = StepProfile()  # the scheduler shares its own: the draft span's parts
 
     def available(self) -> bool:
@@ -214,7 +222,14 @@ class RemoteMuxDrafter:
         self._feedback_seconds[key] = 0.0
         self._home[key] = link
         link.sessions.add(key)
-        link.queue(session_op_to_proto(key, "start", request))
+        self._unstarted[key] = dataclasses.replace(request, prompt_ids=list(request.prompt_ids))
+
+    def _start_on_replicas(self, keys: Iterable[str]) -> None:
+        """Queue the start of each of `keys` not started yet, over its context so far, ahead of its first work."""
+        for key in keys:
+            request = self._unstarted.pop(key, None)
+            if request is not None:
+                self._home[key].queue(session_op_to_proto(key, "start", request))
 
     def prefill(self, prefills: dict[str, int]) -> dict[str, Exception]:
         """Catch-up work alone (no tree this step): sent now, not waited for. The replica prefills while the target
@@ -224,6 +239,7 @@ class RemoteMuxDrafter:
             return {key: value for key, value in self.propose({}, prefills).items() if isinstance(value, Exception)}
         out: dict[str, Exception] = {}
         work: dict[_Link, list[spec_pb.DraftWork]] = {}
+        self._start_on_replicas(key for key in prefills if key in self._home)
         for key, n in prefills.items():
             if key not in self._home:
                 out[key] = DraftStreamError("draft: session lost with its replica", "UNAVAILABLE")
@@ -245,6 +261,7 @@ class RemoteMuxDrafter:
                 out[key] = DraftStreamError("draft: session lost with its replica", "UNAVAILABLE")
         requests = {k: v for k, v in requests.items() if k in self._home}
         prefills = {k: v for k, v in prefills.items() if k in self._home}
+        self._start_on_replicas([*requests, *prefills])
         work: dict[_Link, list[spec_pb.DraftWork]] = {}
         for key, params in requests.items():
             work.setdefault(self._home[key], []).append(
@@ -284,6 +301,9 @@ class RemoteMuxDrafter:
         candidates = self._candidates(steps)
         for key, (verified, stats) in steps.items():
             self._stats[key] = stats
+            if key in self._unstarted:  # not on its replica yet: its context grows here
+                self._unstarted[key].prompt_ids.extend(verified.result.committed_tokens)
+                continue
             link = self._home[key]
             teacher = teacher_signal(verified.target_logits, link.teacher_top_k) \
                 if link.teacher_top_k and key in self._drafted else None
@@ -320,7 +340,8 @@ class RemoteMuxDrafter:
         link = self._home.pop(key, None)
         if link is not None:
             link.sessions.discard(key)
-            link.queue(session_op_to_proto(key, "close"))
+            if self._unstarted.pop(key, None) is None:  # one never started has nothing to close on its replica
+                link.queue(session_op_to_proto(key, "close"))
         for table in (self._wants_candidates, self._stats, self._feedback_seconds, self._errors):
             table.pop(key, None)
 
@@ -365,6 +386,7 @@ class RemoteMuxDrafter:
             self.replicas.mark_failed(link.replica, str(error))
         for key in link.sessions:
             self._home.pop(key, None)
+            self._unstarted.pop(key, None)
             self._errors[key] = error
         link.sessions.clear()
 

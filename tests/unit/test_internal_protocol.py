@@ -15,6 +15,7 @@ import torch
 
 from evospec.adapt import build_learner
 from evospec.config import AdaptConfig, SamplingParams, SchedulerConfig, SpecParams, TreeParams
+from evospec.engine.budget import CatchUp
 from evospec.engine.draft import DraftEngine
 from evospec.engine.generate import SpeculativeDecoder
 from evospec.engine.runner import SchedulerThread
@@ -736,3 +737,58 @@ def test_steps_without_a_tree_send_the_draft_no_message(monkeypatch, max_ops):
     # ... in two messages per tree (its work, its outcome), the start and the close, not one per step
     assert len(sent) <= 2 * trees + 2 + stats.steps // max_ops < stats.steps
     assert max(outcomes) <= min(max_ops, 4) + 1
+
+
+class DraftsFromStep(RandomDepth):
+    """A budget that buys the draft's catch-up at the `first` decode step it is asked (None: never), and drafts
+    (depth 2) every step once the draft has caught up."""
+
+    def __init__(self, first: int | None):
+        super().__init__(seed=0)
+        self.first, self.asked = first, 0
+
+    def choose(self, requests, prefill_tokens: int, source: str = "draft") -> int:
+        return 2 if self.first is not None else 0
+
+    def catch_up(self, saved_per_token, kind, remaining_tokens: int, lag: int) -> CatchUp:
+        self.asked += 1
+        return CatchUp(self.first is not None and self.asked >= self.first, 0.0, 0.0, "the test's schedule")
+
+
+@pytest.mark.parametrize("first_tree", [None, 9], ids=["never-drafted", "drafted-from-step-9"])
+def test_a_session_starts_on_its_replica_with_its_first_work(monkeypatch, first_tree):
+    """A request the budget never drafts for sends its draft replica nothing (no start, no appends, no close); one
+    first drafted later starts there over its context so far (prompt and committed tokens) with that first tree's
+    work, and the draft, here the target itself, then has every token: each greedy chain is accepted whole."""
+    from evospec.services.target import remote_draft
+    target, _ = random_pair(vocab=VOCAB, seed=9, eos=1)
+    draft_server = DraftServer(DraftEngine(target), VocabPolicies(target.head_weight, STATIC), "sha")
+    grpc_server, port = start_draft_server(draft_server, "127.0.0.1")
+    pool = pool_for(f"127.0.0.1:{port}")
+    sent = []
+    real_send = remote_draft._MuxStream.send
+    monkeypatch.setattr(remote_draft._MuxStream, "send", lambda self, msg: sent.append(msg) or real_send(self, msg))
+    remote_only = SpeculativeDecoder(target, None, static_ids=STATIC)
+    config = SchedulerConfig(kv_tokens=4096, lookup_fallback=False)  # the draft catches up when it is to draft
+    scheduler = Scheduler(remote_only, config, mux_drafter(remote_only, pool), budget=DraftsFromStep(first_tree))
+    prompt, sink = [(7 * j) % (VOCAB - 2) + 2 for j in range(12)], TimedSink()
+    spec = SpecParams(method="sd", tree=TreeParams(shape="chain", num_draft_tokens=2))
+    try:
+        handle = scheduler.submit(prompt, SamplingParams(max_tokens=40, ignore_eos=True), spec, sink)
+        scheduler.run_until_idle()
+    finally:
+        pool.close()
+        grpc_server.stop(grace=None)
+    local = SpeculativeDecoder(target, target, static_ids=STATIC)
+    assert isinstance(sink.end, Finished) and sink.tokens == ar_tokens(local, prompt, 40)
+    stats = handle.stats
+    assert draft_server.num_sessions() == 0
+    if first_tree is None:
+        assert sent == [] and stats.drafted == 0
+        return
+    assert stats.drafted > 0 and stats.accepted == stats.drafted and stats.fallback_steps == 0
+    first = sent[0]
+    assert [op.WhichOneof("op") for op in first.ops] == ["start"] and len(first.work) == 1
+    started_over = list(first.ops[0].start.prompt_token_ids)
+    assert len(started_over) >= len(prompt) + first_tree - 2  # the tokens committed before its first work
+    assert started_over == prompt + sink.tokens[:len(started_over) - len(prompt)]
