@@ -228,8 +228,14 @@ class RemoteMuxDrafter:
         """Queue the start of each of `keys` not started yet, over its context so far, ahead of its first work."""
         for key in keys:
             request = self._unstarted.pop(key, None)
-            if request is not None:
-                self._home[key].queue(session_op_to_proto(key, "start", request))
+            if request is None:
+                continue
+            link = self._home[key]
+            if link.stream.dead and all(k in self._unstarted for k in link.sessions - {key}):
+                # the replica closed it as idle (idle_timeout_s) while it held no started session: nothing is lost
+                link.stream.close()
+                link.stream, link.owed_prefill = _MuxStream(link.replica.stub), 0
+            link.queue(session_op_to_proto(key, "start", request))
 
     def prefill(self, prefills: dict[str, int]) -> dict[str, Exception]:
         """Catch-up work alone (no tree this step): sent now, not waited for. The replica prefills while the target

@@ -792,3 +792,41 @@ def test_a_session_starts_on_its_replica_with_its_first_work(monkeypatch, first_
     started_over = list(first.ops[0].start.prompt_token_ids)
     assert len(started_over) >= len(prompt) + first_tree - 2  # the tokens committed before its first work
     assert started_over == prompt + sink.tokens[:len(started_over) - len(prompt)]
+
+
+class DraftsAfterAPause(DraftsFromStep):
+    """DraftsFromStep(4) whose catch-up decision first waits `pause` seconds (a long stretch without drafting)."""
+
+    def __init__(self, pause: float):
+        super().__init__(4)
+        self.pause = pause
+
+    def catch_up(self, saved_per_token, kind, remaining_tokens: int, lag: int) -> CatchUp:
+        if self.asked == self.first - 1:
+            time.sleep(self.pause)
+        return super().catch_up(saved_per_token, kind, remaining_tokens, lag)
+
+
+def test_a_stream_closed_as_idle_before_a_sessions_first_work_is_reopened_for_it():
+    """The replica closes a stream that sent nothing for `idle_timeout_s`, which a link whose sessions were not yet
+    given work does: the first work then starts its session on a fresh stream, with no step target-only."""
+    from evospec.services.config import InternalStreamConfig
+    target, _ = random_pair(vocab=VOCAB, seed=9, eos=1)
+    draft_server = DraftServer(DraftEngine(target), VocabPolicies(target.head_weight, STATIC), "sha")
+    grpc_server, port = start_draft_server(draft_server, "127.0.0.1", InternalStreamConfig(idle_timeout_s=0.3))
+    pool = pool_for(f"127.0.0.1:{port}")
+    remote_only = SpeculativeDecoder(target, None, static_ids=STATIC)
+    scheduler = Scheduler(remote_only, SchedulerConfig(kv_tokens=4096, lookup_fallback=False),
+                          mux_drafter(remote_only, pool), budget=DraftsAfterAPause(1.5))
+    prompt, sink = [(5 * j) % (VOCAB - 2) + 2 for j in range(10)], TimedSink()
+    spec = SpecParams(method="sd", tree=TreeParams(shape="chain", num_draft_tokens=2))
+    try:
+        handle = scheduler.submit(prompt, SamplingParams(max_tokens=24, ignore_eos=True), spec, sink)
+        scheduler.run_until_idle()
+    finally:
+        pool.close()
+        grpc_server.stop(grace=None)
+    local = SpeculativeDecoder(target, target, static_ids=STATIC)
+    assert isinstance(sink.end, Finished) and sink.tokens == ar_tokens(local, prompt, 24)
+    stats = handle.stats
+    assert stats.drafted > 0 and stats.accepted == stats.drafted and stats.fallback_steps == 0
