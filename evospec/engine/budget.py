@@ -479,15 +479,20 @@ class SpeculationBudget:
         the seconds speculation is expected to save over the request's `remaining_tokens` exceed what the catch-up
         costs at the draft's measured prefill rate. `saved_per_token()` is `seconds_saved_per_token` of the batch
         the request decodes in (its own among them), which the caller computes once per step for all its catch-ups.
-        Until the prefill rate is measured the catch-up runs (the first one measures it). The acceptance it rests on
+        Until the draft's prefill rate is measured, a catch-up is priced as the target's own forward over the `lag`
+        tokens (the cost table): a bound, as a draft is smaller than its target, so on a machine where the draft
+        prefills slowly next to what it could save (a CPU, short answers) the first request does not buy a
+        catch-up only to learn that, and where drafting pays the first catch-up measures the rate. The acceptance it rests on
         is the depth choice's own (`priors`: while the kind is learning, shrunk towards `optimistic_acceptance`, as
         a pessimistic start would never draft, so never learn), so a catch-up is bought only where the choice would
         then draft: a kind whose first trees are mostly rejected stops buying catch-ups before its `learn_trees`
         are reached, and a batch in which drafting would not pay, such as a busy CPU, defers."""
         learning = self.learning(kind)
         saved = remaining_tokens * saved_per_token()
-        if self._draft_prefill.steps == 0:
-            return CatchUp(True, saved, 0.0, "the draft's prefill rate is not measured yet")
-        cost = lag / max(self._draft_prefill.rate, 1e-9)
         why = "its acceptance is not measured yet: assumed high" if learning else ""
+        if self._draft_prefill.steps == 0:
+            cost = self.target_cost(lag)
+            why = "; ".join(filter(None, [why, "the draft's prefill rate is not measured yet: priced at the target's"]))
+        else:
+            cost = lag / max(self._draft_prefill.rate, 1e-9)
         return CatchUp(saved > cost, saved, cost, why)
