@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +21,9 @@ from evospec.engine.draft import DraftEngine
 from evospec.engine.generate import SpeculativeDecoder
 from evospec.engine.runner import SchedulerThread
 from evospec.engine.scheduler import Finished, Scheduler, TokensOut
+from evospec.engine.stats import SpecStats
 from evospec.errors import InvalidRequestError
-from evospec.services.config import DraftLinkConfig
+from evospec.services.config import DraftLinkConfig, InternalStreamConfig
 from evospec.services.draft.server import DraftServer
 from evospec.services.draft.servicer import start_draft_server
 from evospec.services.target.draft_link import DraftReplicas
@@ -499,7 +501,6 @@ def test_a_malformed_teacher_signal_fails_its_session_only():
 def test_a_stream_closed_for_idleness_is_reopened_without_a_fallback():
     """The draft closes streams idle past `idle_timeout_s` (InternalStreamConfig); a target whose stream was closed
     while it had no sessions opens a fresh one for its next session: no step runs target-only."""
-    from evospec.services.config import InternalStreamConfig
     target, draft = random_pair(vocab=VOCAB, seed=9, eos=1)
     draft_server = DraftServer(DraftEngine(draft), VocabPolicies(draft.head_weight, STATIC), "sha")
     grpc_server, port = start_draft_server(draft_server, "127.0.0.1", InternalStreamConfig(idle_timeout_s=0.5))
@@ -690,6 +691,42 @@ def test_deferred_catch_up_over_the_stream_overlaps_the_target_and_stays_lossles
     assert handle.stats.drafted > 0 and handle.stats.fallback_steps == 0
 
 
+@dataclass
+class SelfDraftedRun:
+    """One greedy `sd` chain request through the scheduler and a real draft stream whose draft is the target itself
+    (every chain it drafts over a context it fully holds is accepted whole): what was sent, what came out."""
+    sink: TimedSink
+    stats: SpecStats
+    sent: list
+    draft_server: DraftServer
+    ar: list[int]  # the target's own greedy tokens
+
+
+def run_self_drafted(monkeypatch, budget, prompt: list[int], max_tokens: int, draft_prefill: str = "deferred",
+                     stream: InternalStreamConfig | None = None) -> SelfDraftedRun:
+    from evospec.services.target import remote_draft
+    target, _ = random_pair(vocab=VOCAB, seed=9, eos=1)
+    draft_server = DraftServer(DraftEngine(target), VocabPolicies(target.head_weight, STATIC), "sha")
+    grpc_server, port = start_draft_server(draft_server, "127.0.0.1", stream or InternalStreamConfig())
+    pool = pool_for(f"127.0.0.1:{port}")
+    sent = []
+    real_send = remote_draft._MuxStream.send
+    monkeypatch.setattr(remote_draft._MuxStream, "send", lambda self, msg: sent.append(msg) or real_send(self, msg))
+    remote_only = SpeculativeDecoder(target, None, static_ids=STATIC)
+    config = SchedulerConfig(kv_tokens=4096, draft_prefill=draft_prefill, lookup_fallback=False)
+    scheduler = Scheduler(remote_only, config, mux_drafter(remote_only, pool), budget=budget)
+    sink = TimedSink()
+    spec = SpecParams(method="sd", tree=TreeParams(shape="chain", num_draft_tokens=2))
+    try:
+        handle = scheduler.submit(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), spec, sink)
+        scheduler.run_until_idle()
+    finally:
+        pool.close()
+        grpc_server.stop(grace=None)
+    ar = ar_tokens(SpeculativeDecoder(target, target, static_ids=STATIC), prompt, max_tokens)
+    return SelfDraftedRun(sink, handle.stats, sent, draft_server, ar)
+
+
 class DraftsEveryFourthStep(RandomDepth):
     """A budget that drafts (depth 2) one step in four and runs the others target-only."""
 
@@ -708,28 +745,11 @@ def test_steps_without_a_tree_send_the_draft_no_message(monkeypatch, max_ops):
     work, a close), at most `_Link.APPENDS_MAX_OPS` of them. The draft, here the target itself, still has every
     token before it drafts: each of its greedy chains is accepted whole, and the output is ar's."""
     from evospec.services.target import remote_draft
-    target, _ = random_pair(vocab=VOCAB, seed=9, eos=1)
-    draft_server = DraftServer(DraftEngine(target), VocabPolicies(target.head_weight, STATIC), "sha")
-    grpc_server, port = start_draft_server(draft_server, "127.0.0.1")
-    pool = pool_for(f"127.0.0.1:{port}")
-    sent = []
-    real_send = remote_draft._MuxStream.send
-    monkeypatch.setattr(remote_draft._MuxStream, "send", lambda self, msg: sent.append(msg) or real_send(self, msg))
     monkeypatch.setattr(remote_draft._Link, "APPENDS_MAX_OPS", max_ops)
-    remote_only = SpeculativeDecoder(target, None, static_ids=STATIC)
-    config = SchedulerConfig(kv_tokens=4096, draft_prefill="with_target", lookup_fallback=False)
-    scheduler = Scheduler(remote_only, config, mux_drafter(remote_only, pool), budget=DraftsEveryFourthStep())
-    prompt, sink = [(7 * j) % (VOCAB - 2) + 2 for j in range(12)], TimedSink()
-    spec = SpecParams(method="sd", tree=TreeParams(shape="chain", num_draft_tokens=2))
-    try:
-        handle = scheduler.submit(prompt, SamplingParams(max_tokens=40, ignore_eos=True), spec, sink)
-        scheduler.run_until_idle()
-    finally:
-        pool.close()
-        grpc_server.stop(grace=None)
-    local = SpeculativeDecoder(target, target, static_ids=STATIC)
-    assert isinstance(sink.end, Finished) and sink.tokens == ar_tokens(local, prompt, 40)
-    stats = handle.stats
+    prompt = [(7 * j) % (VOCAB - 2) + 2 for j in range(12)]
+    run = run_self_drafted(monkeypatch, DraftsEveryFourthStep(), prompt, 40, draft_prefill="with_target")
+    sink, stats, sent = run.sink, run.stats, run.sent
+    assert isinstance(sink.end, Finished) and sink.tokens == run.ar
     assert stats.drafted > 0 and stats.accepted == stats.drafted and stats.fallback_steps == 0
     outcomes = [len(msg.ops) for msg in sent]
     assert sum(outcomes) >= stats.steps  # every step's outcome reached the draft ...
@@ -760,28 +780,10 @@ def test_a_session_starts_on_its_replica_with_its_first_work(monkeypatch, first_
     """A request the budget never drafts for sends its draft replica nothing (no start, no appends, no close); one
     first drafted later starts there over its context so far (prompt and committed tokens) with that first tree's
     work, and the draft, here the target itself, then has every token: each greedy chain is accepted whole."""
-    from evospec.services.target import remote_draft
-    target, _ = random_pair(vocab=VOCAB, seed=9, eos=1)
-    draft_server = DraftServer(DraftEngine(target), VocabPolicies(target.head_weight, STATIC), "sha")
-    grpc_server, port = start_draft_server(draft_server, "127.0.0.1")
-    pool = pool_for(f"127.0.0.1:{port}")
-    sent = []
-    real_send = remote_draft._MuxStream.send
-    monkeypatch.setattr(remote_draft._MuxStream, "send", lambda self, msg: sent.append(msg) or real_send(self, msg))
-    remote_only = SpeculativeDecoder(target, None, static_ids=STATIC)
-    config = SchedulerConfig(kv_tokens=4096, lookup_fallback=False)  # the draft catches up when it is to draft
-    scheduler = Scheduler(remote_only, config, mux_drafter(remote_only, pool), budget=DraftsFromStep(first_tree))
-    prompt, sink = [(7 * j) % (VOCAB - 2) + 2 for j in range(12)], TimedSink()
-    spec = SpecParams(method="sd", tree=TreeParams(shape="chain", num_draft_tokens=2))
-    try:
-        handle = scheduler.submit(prompt, SamplingParams(max_tokens=40, ignore_eos=True), spec, sink)
-        scheduler.run_until_idle()
-    finally:
-        pool.close()
-        grpc_server.stop(grace=None)
-    local = SpeculativeDecoder(target, target, static_ids=STATIC)
-    assert isinstance(sink.end, Finished) and sink.tokens == ar_tokens(local, prompt, 40)
-    stats = handle.stats
+    prompt = [(7 * j) % (VOCAB - 2) + 2 for j in range(12)]
+    run = run_self_drafted(monkeypatch, DraftsFromStep(first_tree), prompt, 40)
+    sink, stats, sent, draft_server = run.sink, run.stats, run.sent, run.draft_server
+    assert isinstance(sink.end, Finished) and sink.tokens == run.ar
     assert draft_server.num_sessions() == 0
     if first_tree is None:
         assert sent == [] and stats.drafted == 0
@@ -807,26 +809,12 @@ class DraftsAfterAPause(DraftsFromStep):
         return super().catch_up(saved_per_token, kind, remaining_tokens, lag)
 
 
-def test_a_stream_closed_as_idle_before_a_sessions_first_work_is_reopened_for_it():
+def test_a_stream_closed_as_idle_before_a_sessions_first_work_is_reopened_for_it(monkeypatch):
     """The replica closes a stream that sent nothing for `idle_timeout_s`, which a link whose sessions were not yet
     given work does: the first work then starts its session on a fresh stream, with no step target-only."""
-    from evospec.services.config import InternalStreamConfig
-    target, _ = random_pair(vocab=VOCAB, seed=9, eos=1)
-    draft_server = DraftServer(DraftEngine(target), VocabPolicies(target.head_weight, STATIC), "sha")
-    grpc_server, port = start_draft_server(draft_server, "127.0.0.1", InternalStreamConfig(idle_timeout_s=0.3))
-    pool = pool_for(f"127.0.0.1:{port}")
-    remote_only = SpeculativeDecoder(target, None, static_ids=STATIC)
-    scheduler = Scheduler(remote_only, SchedulerConfig(kv_tokens=4096, lookup_fallback=False),
-                          mux_drafter(remote_only, pool), budget=DraftsAfterAPause(1.5))
-    prompt, sink = [(5 * j) % (VOCAB - 2) + 2 for j in range(10)], TimedSink()
-    spec = SpecParams(method="sd", tree=TreeParams(shape="chain", num_draft_tokens=2))
-    try:
-        handle = scheduler.submit(prompt, SamplingParams(max_tokens=24, ignore_eos=True), spec, sink)
-        scheduler.run_until_idle()
-    finally:
-        pool.close()
-        grpc_server.stop(grace=None)
-    local = SpeculativeDecoder(target, target, static_ids=STATIC)
-    assert isinstance(sink.end, Finished) and sink.tokens == ar_tokens(local, prompt, 24)
-    stats = handle.stats
+    prompt = [(5 * j) % (VOCAB - 2) + 2 for j in range(10)]
+    run = run_self_drafted(monkeypatch, DraftsAfterAPause(1.5), prompt, 24,
+                           stream=InternalStreamConfig(idle_timeout_s=0.3))
+    stats = run.stats
+    assert isinstance(run.sink.end, Finished) and run.sink.tokens == run.ar
     assert stats.drafted > 0 and stats.accepted == stats.drafted and stats.fallback_steps == 0
