@@ -483,10 +483,11 @@ class SpeculationBudget:
         tokens (the cost table): a bound, as a draft is smaller than its target, so on a machine where the draft
         prefills slowly next to what it could save (a CPU, short answers) the first request does not buy a
         catch-up only to learn that, and where drafting pays the first catch-up measures the rate. The acceptance
-        it rests on is the depth choice's own (`priors`: while the kind is learning, shrunk towards `optimistic_acceptance`, as
-        a pessimistic start would never draft, so never learn), so a catch-up is bought only where the choice would
-        then draft: a kind whose first trees are mostly rejected stops buying catch-ups before its `learn_trees`
-        are reached, and a batch in which drafting would not pay, such as a busy CPU, defers."""
+        it rests on is the depth choice's own (`priors`: while the kind is learning, shrunk towards
+        `optimistic_acceptance`, as a pessimistic start would never draft, so never learn), so a catch-up is bought
+        only where the choice would then draft: a kind whose first trees are mostly rejected stops buying catch-ups
+        before its `learn_trees` are reached, and a batch in which drafting would not pay, such as a busy CPU,
+        defers."""
         learning = self.learning(kind)
         saved = remaining_tokens * saved_per_token()
         why = "its acceptance is not measured yet: assumed high" if learning else ""

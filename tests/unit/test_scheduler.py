@@ -357,7 +357,7 @@ def test_a_catch_up_runs_only_where_it_pays(decoder):
     budget = SpeculationBudget(target_cost, draft_prior)
     per_token = functools.partial(budget.seconds_saved_per_token, requests)
     # unmeasured: priced at the target's own forward over the lag (0.01 s here), so a long answer buys the first
-    # catch-up (which measures the rate) and a 2-token one does not
+    # catch-up (which measures the rate) and a 1-token one does not
     first = budget.catch_up(per_token, kind, remaining_tokens=1000, lag=1000)
     assert first.pays and first.cost == pytest.approx(0.01) and "not measured" in first.why
     assert not budget.catch_up(per_token, kind, remaining_tokens=1, lag=1000).pays
