@@ -54,11 +54,15 @@ SEED_SPACE = 2**64  # seeds are uint64 (the public API's type and torch.Generato
 # Sampling temperatures below this divide float32 logits into inf/NaN (1e-39 did); greedy is temperature 0 exactly.
 MIN_TEMPERATURE = 1e-3
 MAX_TEMPERATURE = 100.0
-# Prompt lookup (`lookup`): the longest suffix of the context, of LOOKUP_MAX_NGRAM down to LOOKUP_MIN_NGRAM tokens,
-# seen earlier in it proposes what followed it there. 4..3 measured best of 2..5 on greedy answers of the real target
-# (medical-rag, code, chat; docs/results.md, "Prompt lookup").
+# Prompt lookup (`lookup`): the earlier occurrence of the context's last LOOKUP_MIN_NGRAM tokens whose match with the
+# context runs back furthest (up to LOOKUP_MAX_MATCH tokens; among its LOOKUP_CANDIDATES latest occurrences) proposes
+# what followed it there, a chain no longer than its match allows (LOOKUP_CHAIN_BY_MATCH: a match shorter than 4
+# tokens proposes 1, shorter than 6 proposes 2, a longer one the step's full depth). Measured on greedy answers of the
+# real target (medical-rag, code, chat; docs/results.md, "Prompt lookup" and "Chains as long as their match").
 LOOKUP_MIN_NGRAM = 3
-LOOKUP_MAX_NGRAM = 4
+LOOKUP_MAX_MATCH = 16
+LOOKUP_CANDIDATES = 16
+LOOKUP_CHAIN_BY_MATCH: tuple[tuple[int, int], ...] = ((4, 1), (6, 2))  # (match shorter than, longest chain)
 MAX_DYNAMIC_SIZE = 4096  # EvoSpec buffer slots a request may ask for (the paper uses 256-1024)
 
 

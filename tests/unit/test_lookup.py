@@ -36,39 +36,70 @@ def decoder():
 
 # ---- the index ---------------------------------------------------------------------------------------------------
 
-def test_the_longest_suffix_seen_before_proposes_what_followed_its_latest_occurrence():
-    index = NgramIndex([1, 2, 3, 4, 9, 2, 3, 4, 7, 8, 1, 2, 3, 4], min_n=2, max_n=4)
-    assert index.propose(3) == [9, 2, 3]  # the 4-gram "1 2 3 4" (at 0) wins over the later 3-gram "2 3 4" (at 5)
-    assert NgramIndex(index.tokens, min_n=2, max_n=3).propose(3) == [7, 8, 1]  # "2 3 4": its latest occurrence
+def test_the_occurrence_whose_match_runs_back_furthest_proposes_what_followed_it():
+    #        0  1  2  3  4  5  6  7  8  9  10 11 12 13
+    tokens = [1, 2, 3, 4, 9, 2, 3, 4, 7, 8, 1, 2, 3, 4]
+    index = NgramIndex(tokens, min_n=2, chain_by_match=())
+    assert index.match() == (4, 4)  # "3 4" at 2 and 6: the one at 2 matches "1 2 3 4" back from the end
+    assert index.propose(3) == [9, 2, 3]
+    assert NgramIndex(tokens, min_n=2, candidates=1, chain_by_match=()).propose(3) == [7, 8, 1]  # the latest alone
+    assert NgramIndex(tokens, min_n=2, max_match=2, chain_by_match=()).propose(3) == [7, 8, 1]  # a tie: the latest
     index.extend([5])
-    assert index.propose(3) == []  # "4 5", "3 4 5", ... never occurred before
+    assert index.match() is None and index.propose(3) == []  # "4 5" never occurred before
     index.extend([1, 2])
-    assert index.propose(2) == [3, 4]  # "5 1 2" is new; "1 2" last occurred at 10
+    assert index.propose(2) == [3, 4]  # "1 2" at 0 and 10, both matching 2 tokens back: the latest
+
+
+def test_a_short_match_proposes_a_short_chain():
+    tokens = [7, 1, 2, 3, 4, 5, 6, 8, 9, 1, 2, 3]  # the end "1 2 3" matches 3 tokens back
+    limits = ((4, 1), (6, 2))
+    assert NgramIndex(tokens, chain_by_match=limits).propose(4) == [4]
+    assert NgramIndex(tokens, chain_by_match=()).propose(4) == [4, 5, 6, 8]
+    longer = [7, 1, 2, 3, 4, 5, 6, 8, 7, 1, 2, 3]  # "7 1 2 3": 4 tokens
+    assert NgramIndex(longer, chain_by_match=limits).propose(4) == [4, 5]
+    longest = [0, 9, 7, 1, 2, 3, 4, 5, 6, 0, 9, 7, 1, 2, 3]  # 6 tokens: the step's depth
+    assert NgramIndex(longest, chain_by_match=limits).propose(4) == [4, 5, 6, 0]
+    assert NgramIndex(longest, chain_by_match=limits).propose(2) == [4, 5]
 
 
 def test_short_suffixes_propose_nothing():
-    index = NgramIndex([1, 2, 1, 2], min_n=3, max_n=4)
+    index = NgramIndex([1, 2, 1, 2], min_n=3)
     assert index.propose(4) == []  # "1 2" repeats, but no 3-gram does
-    assert NgramIndex([], min_n=3, max_n=4).propose(4) == []
+    assert NgramIndex([], min_n=3).propose(4) == []
     with pytest.raises(ValueError, match="min_n"):
-        NgramIndex([1], min_n=3, max_n=2)
+        NgramIndex([1], min_n=3, max_match=2)
+    with pytest.raises(ValueError, match="candidates"):
+        NgramIndex([1], candidates=0)
 
 
-@given(st.lists(st.integers(0, 3), max_size=40), st.integers(1, 3), st.integers(0, 2), st.integers(1, 5))
-def test_a_proposal_is_what_followed_the_latest_earlier_occurrence_of_the_longest_suffix(tokens, min_n, extra, k):
-    max_n = min_n + extra
-    brute = []
-    for n in range(max_n, min_n - 1, -1):
-        if len(tokens) < n:
-            continue
-        starts = [s for s in range(len(tokens) - n) if tokens[s:s + n] == tokens[len(tokens) - n:]]
-        if starts:
-            brute = tokens[starts[-1] + n:starts[-1] + n + k]
-            break
+def brute_force_proposal(tokens: list[int], min_n: int, max_match: int, candidates: int, limits, k: int) -> list[int]:
+    """What the index must propose, by scanning the context: every earlier occurrence of its last min_n tokens."""
+    end = len(tokens)
+    if end < min_n:
+        return []
+    followers = [s + min_n for s in range(end - min_n) if tokens[s:s + min_n] == tokens[end - min_n:]][-candidates:]
+    best = None
+    for follower in followers:
+        length = min_n
+        while length < max_match and follower - length > 0 and tokens[follower - length - 1] == tokens[end - length - 1]:
+            length += 1
+        if best is None or length >= best[0]:
+            best = (length, follower)
+    if best is None:
+        return []
+    limit = next((chain for shorter, chain in limits if best[0] < shorter), k)
+    return tokens[best[1]:best[1] + min(k, limit)]
+
+
+@given(st.lists(st.integers(0, 3), max_size=40), st.integers(1, 3), st.integers(0, 4), st.integers(1, 3),
+       st.sampled_from([(), ((4, 1), (6, 2)), ((3, 2),)]), st.integers(1, 5))
+def test_a_proposal_is_what_followed_the_best_matching_earlier_occurrence(tokens, min_n, extra, candidates, limits,
+                                                                          k):
+    max_match = min_n + extra
     half = len(tokens) // 2  # built in two parts: extending is the same as building at once
-    index = NgramIndex(tokens[:half], min_n, max_n)
+    index = NgramIndex(tokens[:half], min_n, max_match, candidates, limits)
     index.extend(tokens[half:])
-    assert index.propose(k) == brute
+    assert index.propose(k) == brute_force_proposal(tokens, min_n, max_match, candidates, limits, k)
 
 
 def test_chain_tree_greedy_and_sampled():
@@ -176,11 +207,12 @@ def test_the_budget_prices_a_lookup_chain_at_its_rows_alone():
 def test_the_sizing_replay_walks_an_answer_as_the_scheduler_would():
     """bench/lookup.py's replay: no match for two steps (one token each), then "1 2" proposes the rest, accepted in
     full, plus the target's own next token; each step priced at its rows."""
-    from evospec.bench.lookup import replay
+    from evospec.bench.lookup import Variant, replay
     cost = {1: 1.0, 2: 1.5, 3: 2.0, 4: 2.5}
-    run = replay([1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 9], max_n=2, min_n=2, k=3, cost=cost)
+    bigrams = Variant(min_n=2, candidates=1, chain_by_match=(), k=3)
+    run = replay([1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 9], bigrams, cost)
     assert (run.tokens, run.steps, run.drafted, run.accepted, run.seconds) == (6, 3, 3, 3, 4.5)
-    wrong = replay([1, 2, 3, 4, 5], [1, 2, 7, 7, 7, 7], max_n=2, min_n=2, k=3, cost=cost)
+    wrong = replay([1, 2, 3, 4, 5], [1, 2, 7, 7, 7, 7], bigrams, cost)
     # "1 2" proposes 3 4 5, rejected at once; later "7 7" proposes the one 7 that followed it, accepted
     assert (wrong.steps, wrong.drafted, wrong.accepted) == (6, 4, 1)
 
