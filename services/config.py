@@ -41,6 +41,8 @@ class DraftLinkConfig(BaseModel):
     probed again after retry_s, doubling up to max_retry_s; it takes sessions again once a probe answers SERVING.
     replicas: how many draft replicas to look for (the app builder sets it from draft.replica.num_replicas).
     startup_wait_s: how long a starting target replica waits for them to answer (it serves target-only meanwhile).
+    costs_timeout_s: limit of the start-up call that times a draft replica's forwards (the budget's prior; about a
+    second on a CPU; past it the budget keeps its guess and learns from its first steps).
     secret: sent with every call to the draft replicas (their InternalStreamConfig.secret)."""
     model_config = ConfigDict(frozen=True, extra="forbid")
     step_timeout_s: float = Field(1.0, gt=0)
@@ -52,6 +54,7 @@ class DraftLinkConfig(BaseModel):
     max_retry_s: float = Field(8.0, gt=0)
     replicas: int = Field(1, ge=1)
     startup_wait_s: float = Field(60.0, ge=0)
+    costs_timeout_s: float = Field(30.0, gt=0)
     secret: str | None = Field(None, repr=False)  # the draft's InternalStreamConfig.secret (set by the app builder)
 
 

@@ -42,6 +42,7 @@ class OnlineCost:
         self._calibration = (np.zeros((num_features, num_features)), np.zeros(num_features))
         self._measured = (np.zeros((num_features, num_features)), np.zeros(num_features))
         self.weights = np.zeros(num_features)
+        self.updates = 0  # measured steps so far
 
     def calibrate(self, features: list[float], seconds: float) -> None:
         x = np.asarray(features, dtype=np.float64)
@@ -52,6 +53,7 @@ class OnlineCost:
         x = np.asarray(features, dtype=np.float64)
         xtx, xty = self._measured
         self._measured = (self.decay * xtx + np.outer(x, x), self.decay * xty + x * seconds)
+        self.updates += 1
         self._fit()
 
     def _fit(self) -> None:
@@ -224,6 +226,28 @@ def draft_kind(spec: SpecParams) -> tuple:
     return (spec.method, spec.vocab.static_size, spec.vocab.dynamic_size if method.dynamic_buffer else 0)
 
 
+@dataclass(frozen=True)
+class DraftCosts:
+    """A draft model's own forwards, measured where it runs (its replica at warm-up, or this process): seconds of
+    one forward without a head by rows (a tree level over that many sessions' chains), and of a prefill chunk."""
+    level_seconds: dict[int, float]
+    prefill_tokens: int
+    prefill_seconds: float
+
+    @classmethod
+    def measure(cls, draft: Qwen3, prefill_tokens: int = 16) -> DraftCosts:
+        seconds = forward_seconds(draft, sizes=(1, 8, prefill_tokens), repeats=2)
+        return cls({n: seconds[n] for n in (1, 8)}, prefill_tokens, seconds[prefill_tokens])
+
+
+def level_cost(level_seconds: dict[int, float]) -> OnlineCost:
+    """What drafting adds, calibrated on depth-1 steps of chains over n sessions (n rows) taking these seconds."""
+    cost = OnlineCost(4)
+    for sessions, seconds in level_seconds.items():
+        cost.calibrate(draft_features(1, sessions, sessions), seconds)
+    return cost
+
+
 class SpeculationBudget:
     """Costs and acceptance are kept per draft kind (`draft_kind`): an `sd` draft with its full head costs and
     accepts nothing like an `frspec` one, and one must not talk the scheduler out of the other."""
@@ -238,6 +262,7 @@ class SpeculationBudget:
         self.acceptance: dict[tuple, Acceptance] = {}  # per kind, over every request so far
         self.learn_trees = 32  # verified trees of a kind before its measured acceptance decides a catch-up
         self.optimistic_acceptance = 0.9  # per level, the kind's acceptance assumed until then
+        self.learning_margin = 2.0  # until then a catch-up's saving (an upper bound) must cover its cost this often
         self.explore_every = explore_every  # after this many steps without a draft, draft once to re-measure
         self._exploring: dict[str, list[int]] = {}  # source -> [steps without a draft, steps to wait before one]
         self._goodput: dict[tuple, GoodputMeter] = {}  # (kinds, batch-size bucket, drafted) -> tokens/s
@@ -248,22 +273,30 @@ class SpeculationBudget:
     @classmethod
     def measured(cls, target: Qwen3, draft: Qwen3 | None) -> "SpeculationBudget":
         """Start-up costs: target forwards (with the full head) of 1 to 32 tokens (the cost table's shape; larger
-        steps, prefill chunks, are measured as they run), and draft forwards of 1/8 rows without any head (draft
-        None: a remote draft, learnt from the first steps; it starts at a tenth of a target step per level).
+        steps, prefill chunks, are measured as they run), and the draft's own forwards (`DraftCosts.measure`).
+        A remote draft (draft None) starts at a tenth of a target step per level until its replica's measurement
+        arrives (`calibrate_draft`: the target deployment asks for it once the draft answers).
 
-        The draft's estimate is optimistic on purpose: the first steps then draft, measure what drafting really
-        costs with each method's head, and the estimate follows (a pessimistic start would never draft, so it would
-        never learn otherwise)."""
-        target_cost, draft_cost = TokenCostTable(), OnlineCost(4)
+        The draft's estimate is optimistic on purpose: a forward without any head is a lower bound, so the first
+        steps draft, measure what drafting really costs with each method's head and its link, and the estimate
+        follows (a pessimistic start would never draft, so it would never learn otherwise)."""
+        target_cost = TokenCostTable()
         target_seconds = forward_seconds(target, sizes=(1, 2, 3, 4, 6, 8, 16, 32), repeats=2, with_head=True)
         for n, seconds in target_seconds.items():
             target_cost.calibrate(n, seconds)
+        budget = cls(target_cost, level_cost({1: target_seconds[1] / 10}), explore_every=32)
         if draft is not None:
-            for sessions, seconds in forward_seconds(draft, sizes=(1, 8), repeats=2).items():
-                draft_cost.calibrate(draft_features(1, sessions, sessions), seconds)  # a depth-1 step of chains
-        else:
-            draft_cost.calibrate(draft_features(1, 1, 1), target_seconds[1] / 10)
-        return cls(target_cost, draft_cost, explore_every=32)
+            budget.calibrate_draft(DraftCosts.measure(draft))
+        return budget
+
+    def calibrate_draft(self, costs: DraftCosts) -> None:
+        """Start from the draft's measured forwards (its replica's, or this process's draft): the per-level prior
+        of every draft kind that has not drafted yet, and the catch-up's prefill rate until catch-ups measure it."""
+        self.draft_prior = level_cost(costs.level_seconds)
+        self.draft_costs = {kind: cost for kind, cost in self.draft_costs.items()
+                            if kind == LOOKUP_KIND or cost.updates > 0}
+        if self._draft_prefill.steps == 0 and costs.prefill_tokens > 0 and costs.prefill_seconds > 0:
+            self._draft_prefill.add(costs.prefill_tokens, costs.prefill_seconds)
 
     def draft_cost(self, kind: tuple) -> OnlineCost:
         """What drafting adds for `kind`: from the draft's start-up model; `lookup` (no draft model) from a probe
@@ -487,7 +520,10 @@ class SpeculationBudget:
         `optimistic_acceptance`, as a pessimistic start would never draft, so never learn), so a catch-up is bought
         only where the choice would then draft: a kind whose first trees are mostly rejected stops buying catch-ups
         before its `learn_trees` are reached, and a batch in which drafting would not pay, such as a busy CPU,
-        defers."""
+        defers. While the kind is learning, the saving rests on that assumed acceptance, an upper bound, so it must
+        cover the cost `learning_margin` times: a draft that would pay only if nearly every token were accepted (a
+        CPU, where a draft level costs a fifth of a target step and a verify row two fifths) is not bought for a
+        short answer on a promise."""
         learning = self.learning(kind)
         saved = remaining_tokens * saved_per_token()
         why = "its acceptance is not measured yet: assumed high" if learning else ""
@@ -496,4 +532,4 @@ class SpeculationBudget:
             why = "; ".join(filter(None, [why, "the draft's prefill rate is not measured yet: priced at the target's"]))
         else:
             cost = lag / max(self._draft_prefill.rate, 1e-9)
-        return CatchUp(saved > cost, saved, cost, why)
+        return CatchUp(saved > (self.learning_margin if learning else 1.0) * cost, saved, cost, why)

@@ -12,6 +12,7 @@ import threading
 import ray
 from ray import serve
 
+from evospec.engine.budget import DraftCosts
 from evospec.services.common.health import raise_if_unhealthy
 from evospec.services.common.logs import log_to_serve
 from evospec.services.common.metrics import AdaptMetrics
@@ -66,6 +67,11 @@ class DraftDeployment:
 
     def model(self) -> str:
         return self.server.model_name
+
+    def costs(self) -> DraftCosts:
+        """This replica's forwards, timed when asked (`DraftServer.measure_costs`): a target's budget starts from
+        them, so a fresh service's first requests do not buy a draft whose cost was only guessed."""
+        return self.server.measure_costs()
 
     def placement(self) -> dict:
         """The node this replica runs on and the resources it holds (operators, the two-node test)."""

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from evospec.adapt import Learner, TeacherSignal, build_learner
 from evospec.config import DRAFTING_METHODS, SamplingParams, SpecParams, clip_depth
+from evospec.engine.budget import DraftCosts
 from evospec.engine.draft import DraftEngine, DraftSession
 from evospec.engine.drafter import DraftRequest
 from evospec.errors import InvalidRequestError, OverloadedError
@@ -137,6 +138,16 @@ class DraftServer:
             self.close("warm-up")
             if step.error is not None:
                 raise RuntimeError(f"draft warm-up ({method}) failed: {step.error}") from step.error
+
+    def measure_costs(self) -> DraftCosts:
+        """This draft's forwards, timed now (about a second): what a target's budget starts from. Measured when
+        asked, not at warm-up: a target asks once its own start-up forwards are done, whereas at warm-up both
+        replicas load and measure at once and, sharing a CPU's cores, each measured the other too (10x slower)."""
+        costs = DraftCosts.measure(self.engine.model)
+        log.info("draft forwards: %s ms by rows, prefill %.1f tokens/s", {
+            rows: round(1000 * seconds, 1) for rows, seconds in costs.level_seconds.items()},
+            costs.prefill_tokens / max(costs.prefill_seconds, 1e-9))
+        return costs
 
     def export_adapter(self) -> bytes:
         """The learner's weights as safetensors bytes (InvalidRequestError when this replica does not adapt)."""

@@ -8,6 +8,7 @@ the Draft deployment) and exposes its two fronts on Serve's two proxies:
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
@@ -75,6 +76,20 @@ class TargetDeployment:
         # Requests that arrive before a draft replica answers run target-only and resume speculation later.
         if not self.pool.wait_healthy(cfg.draft_link.replicas, cfg.draft_link.startup_wait_s):
             log.warning("target started with draft replicas %s", self.pool.describe())
+        else:
+            self._start_from_draft_costs(draft, cfg.draft_link.costs_timeout_s)
+
+    def _start_from_draft_costs(self, draft, timeout_s: float) -> None:
+        """The budget's draft prior from a draft replica's forwards, timed now that this replica's start-up
+        forwards are done (else the budget keeps its optimistic guess and learns from the first steps). The handle
+        is waited on from a thread: this runs on the replica's event loop."""
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="draft-costs") as pool:
+            try:
+                costs = pool.submit(lambda: draft.costs.remote().result(timeout_s=timeout_s)).result()
+            except Exception as exc:  # noqa: BLE001 - a replica restarting: the budget learns the costs as it drafts
+                log.warning("draft costs not available (%s): the budget learns them from its first steps", exc)
+                return
+        self.server.calibrate_draft(costs)
 
     async def Generate(self, request, grpc_context=None):
         async for response in self.grpc.Generate(request, grpc_context):

@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 
 from evospec.config import METHODS, SamplingParams, SpecParams
+from evospec.engine.budget import DraftCosts
 from evospec.engine.generate import SpeculativeDecoder
 from evospec.engine.runner import SchedulerThread
 from evospec.engine.scheduler import Failed, Finished, Scheduler, TokensOut
@@ -200,6 +201,15 @@ class TargetServer:
     @property
     def scheduler(self) -> Scheduler:
         return self.replica.scheduler
+
+    def calibrate_draft(self, costs: DraftCosts) -> None:
+        """Start the speculation budget from the draft's measured forwards (nothing without a budget). Called at the
+        deployment's start-up, before it takes requests."""
+        budget = self.scheduler.budget
+        if budget is not None:
+            budget.calibrate_draft(costs)
+            log.info("budget starts from the draft's forwards: %s ms by rows", {
+                rows: round(1000 * seconds, 1) for rows, seconds in costs.level_seconds.items()})
 
     def authorize(self, authorization: str | None) -> None:
         """UnauthenticatedError unless the API is open or `authorization` is 'Bearer <one of the tokens>'."""

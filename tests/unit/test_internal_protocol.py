@@ -818,3 +818,29 @@ def test_a_stream_closed_as_idle_before_a_sessions_first_work_is_reopened_for_it
     stats = run.stats
     assert isinstance(run.sink.end, Finished) and run.sink.tokens == run.ar
     assert stats.drafted > 0 and stats.accepted == stats.drafted and stats.fallback_steps == 0
+
+
+def test_the_target_s_budget_starts_from_the_draft_replica_s_measured_forwards(tiny_draft_replica):
+    """A draft replica times its forwards when asked (`DraftServer.measure_costs`, what the Draft deployment's
+    `costs` answers the target at start-up); the target server's budget then prices a draft level by them instead
+    of its guess (a tenth of a target step)."""
+    from evospec.engine.budget import draft_features
+    from evospec.services.config import TargetServiceConfig
+    draft, _, pool = tiny_draft_replica
+    costs = draft.measure_costs()
+    assert set(costs.level_seconds) == {1, 8} and all(seconds > 0 for seconds in costs.level_seconds.values())
+    assert costs.prefill_tokens == 16 and costs.prefill_seconds > 0
+
+    async def nothing() -> int:
+        return 0
+    server = TargetServer.from_config(TargetServiceConfig(), DraftSide(pool, nothing, nothing))
+    try:
+        budget = server.scheduler.budget
+        assert budget is not None  # adaptive by default
+        guess = budget.target_cost(1) / 10
+        assert budget.draft_prior(draft_features(1, 1, 1)) == pytest.approx(guess, rel=0.05)
+        server.calibrate_draft(costs)
+        assert budget.draft_prior(draft_features(1, 1, 1)) == pytest.approx(costs.level_seconds[1], rel=0.05)
+        assert budget.draft_prior(draft_features(1, 8, 8)) == pytest.approx(costs.level_seconds[8], rel=0.05)
+    finally:
+        server.close()

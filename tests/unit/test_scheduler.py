@@ -342,6 +342,46 @@ def test_the_target_cost_follows_the_context_so_drafting_is_not_billed_for_it():
     assert budget.draft_cost(("sd",))(draft_features(7, 1, 1)) == pytest.approx(0.007, rel=0.05)
 
 
+def test_a_remote_draft_s_measured_forwards_replace_the_guess_it_starts_from():
+    """A remote draft starts priced at a tenth of a target step per level (a guess, optimistic on purpose); its
+    replica's warm-up measurement (`calibrate_draft`) replaces that for every kind that has not drafted yet, and
+    prices the first catch-up at its measured prefill rate instead of the target's: with a draft level as dear as a
+    target step neither drafting nor a catch-up pays, and a kind that already measured its cost keeps it."""
+    from evospec.engine.budget import Acceptance, DraftCosts, draft_features, level_cost
+    target_cost = TokenCostTable()
+    for tokens in (1, 2, 4, 8, 64):
+        target_cost.calibrate(tokens, 0.010 + 0.001 * (tokens - 1))
+    guess = SpeculationBudget(target_cost, level_cost({1: 0.001}))
+    chain, kind, learnt = TreeParams(shape="chain", num_draft_tokens=4), ("frspec", 64, 0), ("sd",)
+    requests = [(chain, Acceptance([100.0] * 4, [80.0] * 4), kind)]
+    per_token = functools.partial(guess.seconds_saved_per_token, requests)
+    assert guess.choose(requests, 0) > 0 and guess.catch_up(per_token, kind, 100, lag=8).pays
+    guess.draft_cost(learnt).update([1.0, 1.0, 1.0, 1.0], 0.002)  # `sd` drafted once: its cost is measured
+    before = guess.draft_cost(learnt).weights.copy()
+
+    guess.calibrate_draft(DraftCosts(level_seconds={1: 0.012, 8: 0.030}, prefill_tokens=16, prefill_seconds=0.8))
+    assert guess.draft_cost(kind)(draft_features(1, 1, 1)) == pytest.approx(0.012, rel=0.05)
+    assert guess.choose(requests, 0) == 0
+    decision = guess.catch_up(per_token, kind, 100, lag=8)
+    assert not decision.pays and decision.cost == pytest.approx(8 * 0.8 / 16) and "prefill rate" not in decision.why
+    np.testing.assert_array_equal(guess.draft_cost(learnt).weights, before)
+
+
+def test_while_a_kind_is_learning_its_catch_up_must_cover_its_cost_twice():
+    """Until a kind's acceptance is measured its saving rests on an assumed (high) acceptance, an upper bound: a
+    catch-up is bought only when that covers its cost `learning_margin` (2) times; once measured, once."""
+    target_cost = TokenCostTable()
+    for tokens in (1, 8, 64):
+        target_cost.calibrate(tokens, 0.01)
+    budget, kind = SpeculationBudget(target_cost, OnlineCost(4)), ("frspec", 64, 0)
+    budget.record_draft_prefill(100, 0.1)  # 1 ms per context token: a 100-token lag costs 0.1 s
+    assert not budget.catch_up(lambda: 0.0015, kind, remaining_tokens=100, lag=100).pays  # 0.15 s saved: 1.5x
+    assert budget.catch_up(lambda: 0.0025, kind, remaining_tokens=100, lag=100).pays  # 2.5x
+    for _ in range(budget.learn_trees):
+        budget.record_acceptance(kind, 4, 4)
+    assert budget.catch_up(lambda: 0.0015, kind, remaining_tokens=100, lag=100).pays
+
+
 def test_a_catch_up_runs_only_where_it_pays(decoder):
     """The draft's prefill of a request's context is bought only when the speculation it enables is expected to
     save more over the request's remaining tokens than it costs: an expensive catch-up for a short answer never
