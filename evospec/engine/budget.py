@@ -228,8 +228,9 @@ def draft_kind(spec: SpecParams) -> tuple:
 
 @dataclass(frozen=True)
 class DraftCosts:
-    """A draft model's own forwards, measured where it runs (its replica at warm-up, or this process): seconds of
-    one forward without a head by rows (a tree level over that many sessions' chains), and of a prefill chunk."""
+    """A draft model's own forwards, measured where it runs (its replica, when a target asks at start-up; or this
+    process): seconds of one forward without a head by rows (a tree level over that many sessions' chains), and of a
+    prefill chunk."""
     level_seconds: dict[int, float]
     prefill_tokens: int
     prefill_seconds: float
@@ -522,7 +523,7 @@ class SpeculationBudget:
         before its `learn_trees` are reached, and a batch in which drafting would not pay, such as a busy CPU,
         defers. While the kind is learning, the saving rests on that assumed acceptance, an upper bound, so it must
         cover the cost `learning_margin` times: a draft that would pay only if nearly every token were accepted (a
-        CPU, where a draft level costs a fifth of a target step and a verify row two fifths) is not bought for a
+        CPU, where a draft level costs a quarter of a target step and a verify row two fifths) is not bought for a
         short answer on a promise."""
         learning = self.learning(kind)
         saved = remaining_tokens * saved_per_token()
