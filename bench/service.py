@@ -101,7 +101,8 @@ def request_options(base: dict, temperature: float, seed: int, api: str) -> dict
 # ---- summaries --------------------------------------------------------------------------------------------------
 
 def request_rows(results: list[RequestResult], **labels) -> list[dict]:
-    """One record per request: what ttft.png plots and what a reader can re-aggregate."""
+    """One record per request: what ttft.png plots and what a reader can re-aggregate (with the draft model's
+    seconds, which tell a step drafted by the model from one verifying a prompt-lookup chain)."""
     rows = []
     for r in results:
         steps = r.stats.get("steps", 0)
@@ -110,6 +111,8 @@ def request_rows(results: list[RequestResult], **labels) -> list[dict]:
                      "tpot_ms": round(1000 * r.tpot, 2), "e2el_ms": round(1000 * r.e2el, 2),
                      "tau": round(1 + r.stats.get("accepted", 0) / steps, 3) if steps else None,
                      "mean_depth": round(r.stats.get("drafted_levels", 0) / steps, 3) if steps else None,
+                     # the draft model's share (a prompt-lookup chain costs no draft seconds): what a slow cell bought
+                     "drafted": r.stats.get("drafted"), "draft_seconds": r.stats.get("draft_seconds"),
                      "finish_reason": r.finish_reason})
     return rows
 

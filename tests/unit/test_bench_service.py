@@ -19,6 +19,7 @@ from evospec.bench.service import (
     markdown,
     oracle_rows,
     request_options,
+    request_rows,
     requests_per_cell,
 )
 from evospec.config import TreeParams
@@ -102,6 +103,10 @@ def test_cell_summary_adds_per_request_speed_depth_and_prompt_lengths():
     assert s["tok_s"] == 4.0 and s["per_request_tok_s"] == 3.0
     assert s["mean_depth"] == pytest.approx(8 / 12, abs=1e-3) and s["tau"] == pytest.approx(1 + 4 / 12, abs=1e-3)
     assert s["prompt_tokens"] == {"min": 300, "median": 400.0, "max": 500}
+    rows = request_rows(results[:2], arm="evospec")
+    assert [(r["drafted"], r["draft_seconds"]) for r in rows] == [(8, None), (0, None)]
+    assert request_rows([RequestResult(ok=True, max_tokens=8, stats={"steps": 2, "drafted": 3,
+                                                                      "draft_seconds": 0.25})])[0]["draft_seconds"] == 0.25
 
 
 def test_markdown_has_one_table_per_set_and_temperature_with_the_oracle_winner():
