@@ -64,9 +64,11 @@ class Variant:
 
 GRID = [Variant(2, 1, (), 1), Variant(2, 1, (), 2), Variant(3, 1, (), 2), Variant(3, 1, (), 4),
         Variant(3, LOOKUP_CANDIDATES, (), 4), Variant(3, LOOKUP_CANDIDATES, (), 6),
-        Variant(3, LOOKUP_CANDIDATES, LOOKUP_CHAIN_BY_MATCH, 4), Variant(3, LOOKUP_CANDIDATES, LOOKUP_CHAIN_BY_MATCH, 6),
+        Variant(3, LOOKUP_CANDIDATES, LOOKUP_CHAIN_BY_MATCH, 4),
+        Variant(3, LOOKUP_CANDIDATES, LOOKUP_CHAIN_BY_MATCH, 6),
         Variant(3, LOOKUP_CANDIDATES, ((4, 1), (6, 2), (8, 3)), 6), Variant(3, LOOKUP_CANDIDATES, ((5, 1),), 4),
         Variant(2, LOOKUP_CANDIDATES, ((3, 1), (4, 1), (6, 2)), 4)]
+LARGEST_FORWARD = 1 + max(variant.k for variant in GRID)  # rows of the biggest step the grid prices
 
 
 @dataclass(frozen=True)
@@ -186,8 +188,7 @@ def measure(args: argparse.Namespace) -> tuple[dict, dict[int, float], dict]:
     progress(f"loading the target from {args.config}", started)
     model, folder = load_model(cfg.target.model, "target")
     decoder = SpeculativeDecoder(model, None, max_model_len=cfg.target.max_model_len, eos_ids=stop_token_ids(folder))
-    largest = 1 + max(variant.k for variant in GRID)
-    cost = forward_seconds(model, sizes=tuple(range(1, largest + 1)), context=256, repeats=3, with_head=True)
+    cost = forward_seconds(model, sizes=tuple(range(1, LARGEST_FORWARD + 1)), context=256, repeats=3, with_head=True)
     answers = greedy_answers(decoder, load_tokenizer(str(folder)), args.sets, args.requests, args.max_tokens,
                              args.seed, started)
     return answers, cost, {"environment": environment()}
@@ -204,8 +205,7 @@ def saved_run(path: Path, sets: list[str]) -> tuple[dict, dict[int, float], dict
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SystemExit(f"--replay {path}: not a lookup.json with saved answers ({type(exc).__name__}: {exc}); "
                          "runs before answers were saved cannot be replayed") from None
-    largest = 1 + max(variant.k for variant in GRID)
-    if not answers or max(cost) < largest:
-        raise SystemExit(f"--replay {path}: needs answers for {sets} and forward costs up to {largest} rows")
+    if not answers or max(cost) < LARGEST_FORWARD:
+        raise SystemExit(f"--replay {path}: needs answers for {sets} and forward costs up to {LARGEST_FORWARD} rows")
     measured = {key: saved["meta"]["args"][key] for key in ("requests", "max_tokens", "seed")}
     return answers, cost, {**measured, "replayed_from": str(path), "environment": saved["meta"]["environment"]}

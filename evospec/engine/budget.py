@@ -240,6 +240,10 @@ class DraftCosts:
         seconds = forward_seconds(draft, sizes=(1, 8, prefill_tokens), repeats=2)
         return cls({n: seconds[n] for n in (1, 8)}, prefill_tokens, seconds[prefill_tokens])
 
+    def __str__(self) -> str:
+        levels = {rows: round(1000 * seconds, 1) for rows, seconds in self.level_seconds.items()}
+        return f"{levels} ms by rows, prefill {self.prefill_tokens / max(self.prefill_seconds, 1e-9):.1f} tokens/s"
+
 
 def level_cost(level_seconds: dict[int, float]) -> OnlineCost:
     """What drafting adds, calibrated on depth-1 steps of chains over n sessions (n rows) taking these seconds."""

@@ -144,9 +144,7 @@ class DraftServer:
         asked, not at warm-up: a target asks once its own start-up forwards are done, whereas at warm-up both
         replicas load and measure at once and, sharing a CPU's cores, each measured the other too (10x slower)."""
         costs = DraftCosts.measure(self.engine.model)
-        log.info("draft forwards: %s ms by rows, prefill %.1f tokens/s", {
-            rows: round(1000 * seconds, 1) for rows, seconds in costs.level_seconds.items()},
-            costs.prefill_tokens / max(costs.prefill_seconds, 1e-9))
+        log.info("draft forwards: %s", costs)
         return costs
 
     def export_adapter(self) -> bytes:

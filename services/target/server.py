@@ -208,8 +208,7 @@ class TargetServer:
         budget = self.scheduler.budget
         if budget is not None:
             budget.calibrate_draft(costs)
-            log.info("budget starts from the draft's forwards: %s ms by rows", {
-                rows: round(1000 * seconds, 1) for rows, seconds in costs.level_seconds.items()})
+            log.info("budget starts from the draft's forwards: %s", costs)
 
     def authorize(self, authorization: str | None) -> None:
         """UnauthenticatedError unless the API is open or `authorization` is 'Bearer <one of the tokens>'."""

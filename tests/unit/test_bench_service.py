@@ -105,8 +105,8 @@ def test_cell_summary_adds_per_request_speed_depth_and_prompt_lengths():
     assert s["prompt_tokens"] == {"min": 300, "median": 400.0, "max": 500}
     rows = request_rows(results[:2], arm="evospec")
     assert [(r["drafted"], r["draft_seconds"]) for r in rows] == [(8, None), (0, None)]
-    assert request_rows([RequestResult(ok=True, max_tokens=8, stats={"steps": 2, "drafted": 3,
-                                                                      "draft_seconds": 0.25})])[0]["draft_seconds"] == 0.25
+    timed = RequestResult(ok=True, max_tokens=8, stats={"steps": 2, "drafted": 3, "draft_seconds": 0.25})
+    assert request_rows([timed])[0]["draft_seconds"] == 0.25
 
 
 def test_markdown_has_one_table_per_set_and_temperature_with_the_oracle_winner():

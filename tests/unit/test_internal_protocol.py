@@ -145,9 +145,12 @@ def mux_drafter(decoder: SpeculativeDecoder, pool: DraftReplicas) -> RemoteMuxDr
     return RemoteMuxDrafter(pool, decoder.policies.layout, VOCAB, "sha")
 
 
+async def nothing() -> int:
+    """The control-plane queries a test's DraftSide never needs (model name, session count)."""
+    return 0
+
+
 def make_server(decoder: SpeculativeDecoder, pool: DraftReplicas, budget=None) -> TargetServer:
-    async def nothing() -> int:
-        return 0
     scheduler = Scheduler(decoder, SchedulerConfig(kv_tokens=4096, adaptive=False, draft_prefill="with_target"),
                           mux_drafter(decoder, pool), budget=budget)
     return TargetServer(TargetReplica.serving(scheduler, "sha"), load_tokenizer(),
@@ -830,9 +833,6 @@ def test_the_target_s_budget_starts_from_the_draft_replica_s_measured_forwards(t
     costs = draft.measure_costs()
     assert set(costs.level_seconds) == {1, 8} and all(seconds > 0 for seconds in costs.level_seconds.values())
     assert costs.prefill_tokens == 16 and costs.prefill_seconds > 0
-
-    async def nothing() -> int:
-        return 0
     server = TargetServer.from_config(TargetServiceConfig(), DraftSide(pool, nothing, nothing))
     try:
         budget = server.scheduler.budget

@@ -81,7 +81,8 @@ def brute_force_proposal(tokens: list[int], min_n: int, max_match: int, candidat
     best = None
     for follower in followers:
         length = min_n
-        while length < max_match and follower - length > 0 and tokens[follower - length - 1] == tokens[end - length - 1]:
+        while (length < max_match and follower - length > 0
+               and tokens[follower - length - 1] == tokens[end - length - 1]):
             length += 1
         if best is None or length >= best[0]:
             best = (length, follower)
