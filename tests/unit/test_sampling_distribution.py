@@ -150,3 +150,28 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
     assert probs[0, 3].item() == pytest.approx(0.4 / 0.7)
     probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=1))
     assert probs[0].tolist() == [0.0, 0.0, 0.0, 1.0]
+
+
+def full_sort_nucleus_probs(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The nucleus by its definition: sort every token, drop one when the mass strictly before it reaches top_p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_probs = sorted_logits.softmax(-1)
+    drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf")).softmax(-1)
+
+
+@pytest.mark.parametrize("scale, top_p", [(4.0, 0.9), (1.0, 0.5), (0.05, 0.99), (0.01, 0.9), (8.0, 0.999)])
+def test_top_p_ranks_few_candidates_and_keeps_the_full_sort_s_nucleus(scale, top_p, monkeypatch):
+    """Peaked rows settle within the first candidates; flat ones (scale 0.05, 0.01: a nucleus of thousands) make the
+    candidates grow to the whole vocabulary. Either way the kept tokens and their probabilities are the full sort's."""
+    from evospec import sampling
+    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", 16)
+    generator = torch.Generator().manual_seed(int(100 * top_p))
+    logits = torch.randn(3, 5000, generator=generator) * scale
+    logits[1, :10] += 6.0  # one row with a handful of likely tokens
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    expected = full_sort_nucleus_probs(logits, top_p)
+    assert torch.equal(probs > 0, expected > 0)
+    torch.testing.assert_close(probs, expected, rtol=1e-5, atol=1e-7)
+    assert (probs > 0).sum(-1).min() >= 1
